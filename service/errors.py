@@ -1,0 +1,84 @@
+"""The one place errors are translated: database error -> domain error -> gRPC status.
+
+Handlers raise `ServiceError`s (or let psycopg errors through); `rpc_status_of` turns either
+into a gRPC status carrying an `ErrorInfo` whose reason clients can branch on.
+"""
+
+from __future__ import annotations
+
+import grpc
+import psycopg
+import psycopg_pool
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from workers_sdk.errors import DOMAIN, Reason
+
+
+class ServiceError(Exception):
+    """A request the service refuses; the message is shown to the caller."""
+
+    code: grpc.StatusCode
+    reason: Reason
+
+    def __init__(self, message: str, **metadata: str) -> None:
+        super().__init__(message)
+        self.metadata = metadata
+
+
+class InvalidArgument(ServiceError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    reason = Reason.INVALID_ARGUMENT
+
+
+class TaskNotFound(ServiceError):
+    code = grpc.StatusCode.NOT_FOUND
+    reason = Reason.TASK_NOT_FOUND
+
+
+class ToolNotFound(ServiceError):
+    code = grpc.StatusCode.NOT_FOUND
+    reason = Reason.TOOL_NOT_FOUND
+
+
+class LeaseLost(ServiceError):
+    code = grpc.StatusCode.ABORTED
+    reason = Reason.LEASE_LOST
+
+
+class Internal(ServiceError):
+    """A bug; the caller sees no detail of it, the service log has the traceback."""
+
+    code = grpc.StatusCode.INTERNAL
+    reason = Reason.INTERNAL
+
+
+class DatabaseUnavailable(ServiceError):
+    code = grpc.StatusCode.UNAVAILABLE
+    reason = Reason.DATABASE_UNAVAILABLE
+
+
+def from_database(error: psycopg.Error | psycopg_pool.PoolTimeout) -> ServiceError | None:
+    """The domain error a database failure means, or None for a bug (reported as INTERNAL)."""
+    if isinstance(error, psycopg.errors.ForeignKeyViolation):
+        return ToolNotFound("tool not found")
+    if isinstance(error, psycopg.errors.CheckViolation | psycopg.errors.DataError):
+        # Validation should have caught it; the constraint is the backstop.
+        return InvalidArgument(f"rejected by the database: {error.diag.message_primary}")
+    if isinstance(
+        error,
+        psycopg.OperationalError | psycopg_pool.PoolTimeout | psycopg.errors.QueryCanceled,
+    ):
+        return DatabaseUnavailable("database unavailable, retry later")
+    return None
+
+
+def rpc_status_of(error: ServiceError) -> grpc.Status:
+    info = error_details_pb2.ErrorInfo(reason=error.reason, domain=DOMAIN, metadata=error.metadata)
+    detail = any_pb2.Any()
+    detail.Pack(info)
+    status = status_pb2.Status(
+        code=getattr(code_pb2, error.code.name), message=str(error), details=[detail]
+    )
+    return rpc_status.to_status(status)

@@ -1,0 +1,114 @@
+"""The gRPC server: GenerationDataService bound to its SQL, health, reflection, graceful stop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from google.protobuf import message_factory
+from google.protobuf.message import Message
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from service import rescuer
+from service.database import Database
+from service.errors import Internal, ServiceError, rpc_status_of
+from service.rpcs import BINDINGS, SERVICE, STATEMENTS, Binding
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Message]]
+HEALTH_CHECK_INTERVAL_SECONDS = 2.0
+
+
+def unary_handler(database: Database, settings: Settings, sql: str, binding: Binding) -> Handler:
+    """validate -> one statement -> map the rows; every failure leaves as a gRPC status."""
+
+    async def handle(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Message:
+        try:
+            return binding.respond(await database.fetch(sql, binding.bind(request, settings)))
+        except ServiceError as error:
+            status = rpc_status_of(error)
+        except Exception:
+            log.exception("unexpected error in %s", context.peer())
+            status = rpc_status_of(Internal("internal error"))
+        await context.abort(status.code, status.details, status.trailing_metadata)
+        raise AssertionError("unreachable: abort() raises")
+
+    return handle
+
+
+def data_service(database: Database, settings: Settings) -> grpc.GenericRpcHandler:
+    """GenerationDataService, each method bound to the statement in its `sql` option."""
+    handlers = {}
+    for method in SERVICE.methods:
+        request_class = message_factory.GetMessageClass(method.input_type)
+        response_class = message_factory.GetMessageClass(method.output_type)
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            unary_handler(database, settings, STATEMENTS[method.name], BINDINGS[method.name]),
+            request_deserializer=request_class.FromString,
+            response_serializer=response_class.SerializeToString,
+        )
+    return grpc.method_handlers_generic_handler(SERVICE.full_name, handlers)
+
+
+async def watch_health(database: Database, health_servicer: health.aio.HealthServicer) -> None:
+    """NOT_SERVING while Postgres does not answer, so load balancers and probes can tell."""
+    serving = None
+    while True:
+        up = await database.ping()
+        if up != serving:
+            serving = up
+            state = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
+            for name in ("", SERVICE.full_name):
+                await health_servicer.set(name, state)
+            log.log(logging.INFO if up else logging.WARNING, "database %s", "up" if up else "DOWN")
+        await asyncio.sleep(HEALTH_CHECK_INTERVAL_SECONDS)
+
+
+async def serve(settings: Settings, database_url: str, ready: Callable[[int], None] | None = None) -> None:
+    """Serves until SIGTERM or SIGINT, then stops taking calls and lets those in flight finish."""
+    database = Database(database_url, settings)
+    await database.open()
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", settings.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+    )
+    server.add_generic_rpc_handlers([data_service(database, settings)])
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [SERVICE.full_name, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+    )
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    await server.start()
+    log.info("GenerationDataService listening on %s:%d", settings.host, port)
+    if ready:
+        ready(port)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    background = [
+        asyncio.create_task(watch_health(database, health_servicer)),
+        asyncio.create_task(rescuer.run(database, settings.rescue_interval_seconds)),
+    ]
+    await stop.wait()
+    log.info("stopping: finishing calls in flight (up to %.0f s)", settings.shutdown_grace_seconds)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(settings.shutdown_grace_seconds)
+    for job in background:
+        job.cancel()
+    await asyncio.gather(*background, return_exceptions=True)
+    await database.close()
+    log.info("stopped")
+
+

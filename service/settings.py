@@ -1,0 +1,74 @@
+"""The service's settings, read once from the environment. Every field says its default."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Settings:
+    database_url: str | None = None
+    """DATABASE_URL. Unset: `genq serve` starts an embedded Postgres in `data_dir`."""
+
+    data_dir: Path = Path(".genq")
+    """GENQ_DATA_DIR (.genq): where the embedded Postgres keeps its data."""
+
+    host: str = "0.0.0.0"
+    """GENQ_HOST (0.0.0.0): address the gRPC server binds."""
+
+    port: int = 50051
+    """GENQ_PORT (50051): gRPC port; 0 picks a free one (printed at start)."""
+
+    pool_min_size: int = 2
+    """GENQ_POOL_MIN_SIZE (2): connections kept open."""
+
+    pool_max_size: int = 10
+    """GENQ_POOL_MAX_SIZE (10): most connections at once; more callers wait."""
+
+    pool_timeout_seconds: float = 5.0
+    """GENQ_POOL_TIMEOUT_SECONDS (5): longest wait for a connection before UNAVAILABLE."""
+
+    statement_timeout_ms: int = 10_000
+    """GENQ_STATEMENT_TIMEOUT_MS (10000): Postgres statement_timeout of every session."""
+
+    lease_seconds: int = 120
+    """GENQ_LEASE_SECONDS (120): lease length set by a claim and by each heartbeat."""
+
+    rescue_interval_seconds: float = 1.0
+    """GENQ_RESCUE_INTERVAL_SECONDS (1): how often lapsed leases are handed back to the queue."""
+
+    max_input_bytes: int = 1_048_576
+    """GENQ_MAX_INPUT_BYTES (1 MiB): largest `input` or `output` accepted, serialized."""
+
+    max_message_bytes: int = 4_194_304
+    """GENQ_MAX_MESSAGE_BYTES (4 MiB): gRPC receive limit for one request."""
+
+    shutdown_grace_seconds: float = 10.0
+    """GENQ_SHUTDOWN_GRACE_SECONDS (10): on SIGTERM, time given to calls in flight."""
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> Settings:
+        env = dict(os.environ if env is None else env)
+        values: dict[str, object] = {}
+        for field in fields(cls):
+            name = "DATABASE_URL" if field.name == "database_url" else f"GENQ_{field.name.upper()}"
+            raw = env.get(name)
+            if raw is None or raw == "":
+                continue
+            default = getattr(cls, field.name)
+            try:
+                if isinstance(default, bool):
+                    values[field.name] = raw.lower() in {"1", "true", "yes", "on"}
+                elif isinstance(default, int):
+                    values[field.name] = int(raw)
+                elif isinstance(default, float):
+                    values[field.name] = float(raw)
+                elif isinstance(default, Path):
+                    values[field.name] = Path(raw)
+                else:
+                    values[field.name] = raw
+            except ValueError as exc:
+                raise SystemExit(f"{name}={raw!r} is not a valid {type(default).__name__}") from exc
+        return cls(**values)  # type: ignore[arg-type]

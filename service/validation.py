@@ -1,0 +1,87 @@
+"""Checks on request fields. Each raises InvalidArgument naming the field; none touches the database."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from typing import Any
+
+from google.protobuf import json_format, struct_pb2
+from psycopg.types.json import Jsonb
+
+from service.errors import InvalidArgument
+
+_TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
+_INT64_MAX = 2**63 - 1
+
+
+def required_uuid(field: str, value: str) -> uuid.UUID:
+    if not value:
+        raise InvalidArgument(f"{field} is required", field=field)
+    try:
+        return uuid.UUID(value)
+    except ValueError:
+        raise InvalidArgument(f"{field} is not a UUID: {value[:64]!r}", field=field) from None
+
+
+def optional_uuid(field: str, value: str) -> uuid.UUID | None:
+    return required_uuid(field, value) if value else None
+
+
+def text(field: str, value: str, *, max_length: int, required: bool = False) -> str | None:
+    """A string field as stored: None when empty and optional."""
+    if not value:
+        if required:
+            raise InvalidArgument(f"{field} is required", field=field)
+        return None
+    if len(value) > max_length:
+        raise InvalidArgument(f"{field} is longer than {max_length} characters", field=field)
+    if "\x00" in value:
+        raise InvalidArgument(f"{field} contains a NUL character", field=field)
+    return value
+
+
+def in_range(field: str, value: int, low: int, high: int) -> int:
+    if not low <= value <= high:
+        raise InvalidArgument(f"{field} must be between {low} and {high}, got {value}", field=field)
+    return value
+
+
+def amount(field: str, value: int) -> int:
+    """A non-negative integer amount (tokens or nanos)."""
+    return in_range(field, value, 0, _INT64_MAX)
+
+
+def traceparent(field: str, value: str) -> str | None:
+    """A W3C traceparent (version-traceid-parentid-flags), or None when empty."""
+    if not value:
+        return None
+    match = _TRACEPARENT.match(value)
+    if (
+        match is None
+        or match.group(1) == "ff"
+        or set(match.group(2)) == {"0"}
+        or set(match.group(3)) == {"0"}
+    ):
+        raise InvalidArgument(f"{field} is not a W3C traceparent", field=field)
+    return value
+
+
+def struct(field: str, value: struct_pb2.Struct, *, max_bytes: int) -> Jsonb:
+    """A Struct as a jsonb parameter: bounded in size, free of NUL characters (jsonb refuses them)."""
+    if value.ByteSize() > max_bytes:
+        raise InvalidArgument(f"{field} is larger than {max_bytes} bytes", field=field)
+    document = json_format.MessageToDict(value)
+    if _has_nul(document):
+        raise InvalidArgument(f"{field} contains a NUL character", field=field)
+    return Jsonb(document)
+
+
+def _has_nul(value: Any) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any("\x00" in k or _has_nul(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_nul(v) for v in value)
+    return False

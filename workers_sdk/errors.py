@@ -1,0 +1,51 @@
+"""Errors the data plane returns, unpacked from the gRPC status.
+
+The service puts a `google.rpc.ErrorInfo` (domain "genq") in every error it returns; its reason
+is one of `Reason`. Clients branch on the reason, never on the message text.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+DOMAIN = "genq"
+
+
+class Reason(StrEnum):
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    TASK_NOT_FOUND = "TASK_NOT_FOUND"
+    TOOL_NOT_FOUND = "TOOL_NOT_FOUND"
+    LEASE_LOST = "LEASE_LOST"
+    DATABASE_UNAVAILABLE = "DATABASE_UNAVAILABLE"
+    INTERNAL = "INTERNAL"
+
+
+class GenqError(Exception):
+    """A call to the data plane failed; `reason` says why (None when the status carried none)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, reason: Reason | None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.reason = reason
+
+
+class LeaseLost(GenqError):
+    """The task's lease lapsed or passed to another worker: drop the result, do not retry."""
+
+
+def from_rpc_error(error: grpc.RpcError) -> GenqError:
+    """The typed error behind a failed call."""
+    code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
+    message = error.details() if isinstance(error, grpc.Call) else str(error)
+    reason = None
+    status = rpc_status.from_call(error) if isinstance(error, grpc.Call) else None
+    for detail in status.details if status else []:
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info) and info.domain == DOMAIN and info.reason in Reason.__members__:
+            reason = Reason(info.reason)
+    cls = LeaseLost if reason is Reason.LEASE_LOST else GenqError
+    return cls(code, message or "", reason)
