@@ -1,0 +1,187 @@
+"""Fixtures: a fresh database per session (cloned from a migrated template), the service as a real
+process, a gRPC stub, and a direct connection for moving time and checking rows.
+
+Postgres (GENQ_TEST_ADMIN_URL) and Redis (GENQ_TEST_REDIS_URL) must be reachable: a test session
+that cannot reach them fails; nothing is skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import grpc
+import psycopg
+import pytest
+import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from psycopg import sql
+from psycopg.rows import dict_row
+
+from generation.task.v1 import task_pb2, task_pb2_grpc
+from service import migrations
+
+ROOT = Path(__file__).resolve().parent.parent
+ADMIN_URL = os.environ.get("GENQ_TEST_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+REDIS_URL = os.environ.get("GENQ_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def wait_for(condition: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
+    """Polls `condition` until it returns something truthy; fails the test at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = condition()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def url_for(database: str) -> str:
+    return urlsplit(ADMIN_URL)._replace(path=f"/{database}").geturl()
+
+
+class Databases:
+    """Creates databases for this session (from the migrated template) and drops them all at the end."""
+
+    def __init__(self) -> None:
+        self.prefix = f"genq_test_{uuid.uuid4().hex[:8]}"
+        self.created: list[str] = []
+        self.template = self.create("template", template=None)
+        migrations.upgrade(url_for(self.template))
+
+    def create(self, name: str, template: str | None = "default") -> str:
+        database = f"{self.prefix}_{name}"
+        source = self.template if template == "default" else template
+        with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
+            statement = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(database))
+            if source:
+                statement += sql.SQL(" TEMPLATE {}").format(sql.Identifier(source))
+            admin.execute(statement)
+        self.created.append(database)
+        return database
+
+    def drop_all(self) -> None:
+        with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
+            for database in reversed(self.created):
+                admin.execute(
+                    sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(database))
+                )
+
+
+@pytest.fixture(scope="session")
+def databases() -> Iterator[Databases]:
+    try:
+        with psycopg.connect(ADMIN_URL, connect_timeout=5):
+            pass
+    except psycopg.OperationalError as error:
+        pytest.fail(f"Postgres is not reachable at {ADMIN_URL}: {error}", pytrace=False)
+    created = Databases()
+    yield created
+    created.drop_all()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def redis_reachable() -> None:
+    try:
+        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=5).ping()
+    except redis.RedisError as error:
+        pytest.fail(f"Redis is not reachable at {REDIS_URL}: {error}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def database_url(databases: Databases) -> str:
+    return url_for(databases.create("main"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServiceProcess:
+    """`genq serve` in its own process, as an operator would run it."""
+
+    def __init__(self, database_url: str | None, log_path: Path, **env: str) -> None:
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        environment = {
+            **os.environ,
+            "GENQ_PORT": str(self.port),
+            "GENQ_HOST": "127.0.0.1",
+            "GENQ_RESCUE_INTERVAL_SECONDS": "0.2",
+            **env,
+        }
+        environment.pop("DATABASE_URL", None)
+        if database_url:
+            environment["DATABASE_URL"] = database_url
+        self.log_path = log_path
+        self.log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "service", "serve"],
+            env=environment,
+            cwd=env.get("GENQ_DATA_DIR", str(ROOT)),
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        self.channel = grpc.insecure_channel(self.address)
+        self.stub = task_pb2_grpc.GenerationDataServiceStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+        wait_for(self.serving, timeout=60, what=f"genq serve on {self.address} ({log_path})")
+
+    def serving(self) -> bool:
+        if self.process.poll() is not None:
+            raise AssertionError(f"genq serve exited: {self.log_path.read_text()[-3000:]}")
+        try:
+            response = self.health.Check(health_pb2.HealthCheckRequest(), timeout=1)
+        except grpc.RpcError:
+            return False
+        return response.status == health_pb2.HealthCheckResponse.SERVING
+
+    def stop(self) -> int:
+        self.channel.close()
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+        return self.process.returncode
+
+
+@pytest.fixture(scope="session")
+def service(database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    process = ServiceProcess(database_url, tmp_path_factory.mktemp("service") / "serve.log")
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+def stub(service: ServiceProcess) -> task_pb2_grpc.GenerationDataServiceStub:
+    return service.stub
+
+
+@pytest.fixture
+def db(database_url: str) -> Iterator[psycopg.Connection[dict[str, Any]]]:
+    """A direct connection to the service's database, for moving time and checking rows."""
+    with psycopg.connect(database_url, autocommit=True, row_factory=dict_row) as connection:
+        yield connection
+
+
+@pytest.fixture
+def tool_id(stub: task_pb2_grpc.GenerationDataServiceStub) -> str:
+    """A tool of this test's own, so tests never see each other's tasks."""
+    name = f"tool-{uuid.uuid4().hex[:12]}"
+    return str(stub.UpsertTool(task_pb2.UpsertToolRequest(name=name)).tool.id)
