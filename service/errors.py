@@ -47,6 +47,11 @@ class LeaseLost(ServiceError):
     reason = Reason.LEASE_LOST
 
 
+class TaskNotStale(ServiceError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = Reason.TASK_NOT_STALE
+
+
 class Internal(ServiceError):
     """A bug; the caller sees no detail of it, the service log has the traceback."""
 

@@ -15,7 +15,7 @@ from psycopg.types.json import Jsonb
 
 from generation.task.v1 import options_pb2, task_pb2
 from service import messages, validation
-from service.errors import InvalidArgument, LeaseLost, TaskNotFound
+from service.errors import InvalidArgument, LeaseLost, TaskNotFound, TaskNotStale
 from service.messages import Row
 from service.settings import Settings
 
@@ -53,6 +53,8 @@ def _fenced(rows: list[Row], changed_column: str = "id") -> Row:
     (row,) = rows
     if not row["found"]:
         raise TaskNotFound("task not found")
+    if row[changed_column] is None and row.get("forced"):
+        raise TaskNotStale("the task is not stale now; only stale tasks can be failed without a lease")
     if row[changed_column] is None:
         raise LeaseLost("lease lost: the task is no longer held under this lease")
     return row

@@ -133,7 +133,8 @@ class GenerationDataServiceServicer:
         """Fails a task. With increment_retry it is requeued while retries remain and failed once they
         are used up; without it the task is failed at once. A caller holding the lease presents its
         token; the reaper presents none, and then the task must be stale at this moment (judged in
-        this statement by generation.stale_reason), so a forced fail can never kill a live task.
+        this statement by generation.stale_reason), so a forced fail can never kill a live task;
+        a refused forced fail is FAILED_PRECONDITION with reason TASK_NOT_STALE.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

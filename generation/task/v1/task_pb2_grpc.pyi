@@ -59,7 +59,8 @@ class GenerationDataServiceStub:
     """Fails a task. With increment_retry it is requeued while retries remain and failed once they
     are used up; without it the task is failed at once. A caller holding the lease presents its
     token; the reaper presents none, and then the task must be stale at this moment (judged in
-    this statement by generation.stale_reason), so a forced fail can never kill a live task.
+    this statement by generation.stale_reason), so a forced fail can never kill a live task;
+    a refused forced fail is FAILED_PRECONDITION with reason TASK_NOT_STALE.
     """
     ListStaleTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.ListStaleTasksRequest, _task_pb2.ListStaleTasksResponse]
     """The watchdog's list: tasks that can never finish on their own (see StaleReason)."""
@@ -97,7 +98,8 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     """Fails a task. With increment_retry it is requeued while retries remain and failed once they
     are used up; without it the task is failed at once. A caller holding the lease presents its
     token; the reaper presents none, and then the task must be stale at this moment (judged in
-    this statement by generation.stale_reason), so a forced fail can never kill a live task.
+    this statement by generation.stale_reason), so a forced fail can never kill a live task;
+    a refused forced fail is FAILED_PRECONDITION with reason TASK_NOT_STALE.
     """
     ListStaleTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.ListStaleTasksRequest, _task_pb2.ListStaleTasksResponse]  # type: ignore[assignment]
     """The watchdog's list: tasks that can never finish on their own (see StaleReason)."""
@@ -168,7 +170,8 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         """Fails a task. With increment_retry it is requeued while retries remain and failed once they
         are used up; without it the task is failed at once. A caller holding the lease presents its
         token; the reaper presents none, and then the task must be stale at this moment (judged in
-        this statement by generation.stale_reason), so a forced fail can never kill a live task.
+        this statement by generation.stale_reason), so a forced fail can never kill a live task;
+        a refused forced fail is FAILED_PRECONDITION with reason TASK_NOT_STALE.
         """
 
     @_abc_1.abstractmethod

@@ -1,0 +1,175 @@
+"""Fenced leases (GUIDE X1): only the current lease holder writes; the reaper kills only stale tasks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import pytest
+
+from generation.task.v1 import task_pb2
+from tests.test_semantics import Db, Stub, add_row, ago, claim, lapse_lease, queue, row
+from workers_sdk.errors import Reason, from_rpc_error
+
+WRONG_TOKEN = "00000000-0000-0000-0000-00000000dead"
+
+
+def refused(call: Any, request: Any) -> Any:
+    with pytest.raises(grpc.RpcError) as caught:
+        call(request)
+    return from_rpc_error(caught.value)
+
+
+def writes(task_id: str, token: str) -> list[tuple[str, Any]]:
+    """Every worker write a lease holder can make, with the given token."""
+    return [
+        ("HeartbeatTask", task_pb2.HeartbeatTaskRequest(task_id=task_id, lease_token=token)),
+        (
+            "CompleteTask",
+            task_pb2.CompleteTaskRequest(task_id=task_id, lease_token=token, output={"x": 1}),
+        ),
+        (
+            "FailTask",
+            task_pb2.FailTaskRequest(task_id=task_id, lease_token=token, increment_retry=True),
+        ),
+        (
+            "FailTask",
+            task_pb2.FailTaskRequest(task_id=task_id, lease_token=token, increment_retry=False),
+        ),
+    ]
+
+
+def assert_lease_lost(stub: Stub, db: Db, task_id: str, token: str) -> None:
+    before = row(db, task_id)
+    for method, request in writes(task_id, token):
+        error = refused(getattr(stub, method), request)
+        assert error.code == grpc.StatusCode.ABORTED, method
+        assert error.reason == Reason.LEASE_LOST, method
+        assert row(db, task_id) == before, f"{method} changed the row"
+
+
+def test_heartbeat_extends_the_lease(stub: Stub, db: Db, tool_id: str) -> None:
+    task = queue(stub, tool_id)
+    claimed = claim(stub, tool_id)
+    db.execute(
+        "UPDATE generation.tasks SET claim_expires_at = now() + interval '5 s' WHERE id = %s",
+        [task.id],
+    )
+    stub.HeartbeatTask(
+        task_pb2.HeartbeatTaskRequest(task_id=task.id, lease_token=claimed.lease_token)
+    )
+    left = db.execute(
+        "SELECT claim_expires_at - now() AS left FROM generation.tasks WHERE id = %s", [task.id]
+    ).fetchone()
+    assert left is not None and left["left"].total_seconds() > 100
+
+
+def test_wrong_token_changes_nothing(stub: Stub, db: Db, tool_id: str) -> None:
+    task = queue(stub, tool_id)
+    claim(stub, tool_id)
+    assert_lease_lost(stub, db, task.id, WRONG_TOKEN)
+
+
+def test_lapsed_lease_changes_nothing_even_before_the_rescue(
+    stub: Stub, db: Db, tool_id: str
+) -> None:
+    task = queue(stub, tool_id)
+    claimed = claim(stub, tool_id)
+    db.execute(
+        "UPDATE generation.tasks SET claim_expires_at = now() - interval '1 ms', retry_count = 3 "
+        "WHERE id = %s",
+        [task.id],
+    )  # retries used up: the rescuer leaves it alone, so only the lease's time decides
+    assert_lease_lost(stub, db, task.id, claimed.lease_token)
+
+
+def test_old_holder_loses_to_the_reclaimer(stub: Stub, db: Db, tool_id: str) -> None:
+    task = queue(stub, tool_id)
+    old = claim(stub, tool_id)
+    lapse_lease(db, task.id)
+    new = claim(stub, tool_id)
+    assert new.task.id == task.id
+
+    assert_lease_lost(stub, db, task.id, old.lease_token)
+
+    done = stub.CompleteTask(
+        task_pb2.CompleteTaskRequest(task_id=task.id, lease_token=new.lease_token, output={"w": 2})
+    ).task
+    assert done.status == task_pb2.TASK_STATUS_COMPLETED
+    assert dict(done.output) == {"w": 2}
+
+
+def test_writes_after_terminal_change_nothing(stub: Stub, db: Db, tool_id: str) -> None:
+    task = queue(stub, tool_id)
+    claimed = claim(stub, tool_id)
+    stub.CompleteTask(
+        task_pb2.CompleteTaskRequest(task_id=task.id, lease_token=claimed.lease_token)
+    )
+    assert_lease_lost(stub, db, task.id, claimed.lease_token)
+
+
+def test_writes_after_requeue_change_nothing(stub: Stub, db: Db, tool_id: str) -> None:
+    task = queue(stub, tool_id)
+    claimed = claim(stub, tool_id)
+    stub.FailTask(
+        task_pb2.FailTaskRequest(
+            task_id=task.id, lease_token=claimed.lease_token, increment_retry=True
+        )
+    )
+    assert_lease_lost(stub, db, task.id, claimed.lease_token)
+
+
+def forced_fail(stub: Stub, task_id: str) -> task_pb2.Task:
+    request = task_pb2.FailTaskRequest(task_id=task_id, increment_retry=False, error="stale")
+    return stub.FailTask(request).task
+
+
+def test_forced_fail_refuses_a_live_task(stub: Stub, db: Db, tool_id: str) -> None:
+    queued = queue(stub, tool_id)
+    running = queue(stub, tool_id)
+    claim(stub, tool_id)  # takes `queued` (FIFO)
+    for task_id in (queued.id, running.id):
+        before = row(db, task_id)
+        error = refused(
+            stub.FailTask, task_pb2.FailTaskRequest(task_id=task_id, increment_retry=False)
+        )
+        assert error.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert error.reason == Reason.TASK_NOT_STALE
+        assert row(db, task_id) == before
+
+
+def test_forced_fail_refuses_an_exhausted_task_whose_lease_still_runs(
+    stub: Stub, db: Db, tool_id: str
+) -> None:
+    task = queue(stub, tool_id, max_retries=1)
+    claim(stub, tool_id)
+    db.execute("UPDATE generation.tasks SET retry_count = 1 WHERE id = %s", [task.id])
+    error = refused(
+        stub.FailTask, task_pb2.FailTaskRequest(task_id=task.id, increment_retry=False)
+    )
+    assert error.reason == Reason.TASK_NOT_STALE
+    assert row(db, task.id)["status"] == "processing"
+
+
+def test_forced_fail_takes_each_stale_population(stub: Stub, db: Db, tool_id: str) -> None:
+    dead_zombie = add_row(
+        db,
+        tool_id,
+        status="processing",
+        retry_count=3,
+        lease_token=WRONG_TOKEN,
+        started_at=ago(db, 3600),
+        claim_expires_at=ago(db, 600),
+    )
+    unclaimable = queue(stub, tool_id, max_retries=0).id
+    abandoned = add_row(
+        db,
+        tool_id,
+        status="dispatched",
+        created_at=ago(db, 3600),
+    )
+    for task_id in (dead_zombie, unclaimable, abandoned):
+        failed = forced_fail(stub, task_id)
+        assert failed.status == task_pb2.TASK_STATUS_FAILED
+        assert failed.error == "stale"
+        assert row(db, task_id)["lease_token"] is None

@@ -1,0 +1,301 @@
+"""The spec's queue semantics (GUIDE A3-A7), against the running service and a real Postgres.
+
+Time moves by writing timestamps in SQL, never by sleeping through a lease.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import psycopg
+import pytest
+
+from generation.task.v1 import task_pb2, task_pb2_grpc
+from tests.conftest import wait_for
+from workers_sdk.errors import Reason, from_rpc_error
+
+Stub = task_pb2_grpc.GenerationDataServiceStub
+Db = psycopg.Connection[dict[str, Any]]
+
+
+def queue(stub: Stub, tool_id: str, **fields: Any) -> task_pb2.Task:
+    return stub.QueueTask(task_pb2.QueueTaskRequest(tool_id=tool_id, **fields)).task
+
+
+def claim(stub: Stub, tool_id: str) -> task_pb2.ClaimNextTaskResponse:
+    return stub.ClaimNextTask(task_pb2.ClaimNextTaskRequest(tool_id=tool_id))
+
+
+def row(db: Db, task_id: str) -> dict[str, Any]:
+    found = db.execute("SELECT * FROM generation.tasks WHERE id = %s", [task_id]).fetchone()
+    assert found is not None
+    return found
+
+
+def lapse_lease(db: Db, task_id: str) -> None:
+    """Moves the task's lease into the past, then waits for the service's rescuer to requeue it."""
+    db.execute(
+        "UPDATE generation.tasks SET claim_expires_at = now() - interval '1 second' WHERE id = %s",
+        [task_id],
+    )
+    wait_for(lambda: row(db, task_id)["reclaimed"], what="the rescuer to requeue the task")
+
+
+def test_queue_task_stores_every_field(stub: Stub, db: Db, tool_id: str) -> None:
+    traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    task = queue(
+        stub,
+        tool_id,
+        priority=7,
+        max_retries=5,
+        reserved_token_amount=1_500,
+        billing_idempotency_key="bill-1",
+        w3c_traceparent=traceparent,
+        input={"prompt": "a cat", "n": 2},
+    )
+    stored = row(db, task.id)
+    assert stored["status"] == "queued"
+    assert (stored["priority"], stored["max_retries"], stored["retry_count"]) == (7, 5, 0)
+    assert stored["reserved_token_amount"] == 1_500
+    assert stored["billing_idempotency_key"] == "bill-1"
+    assert stored["w3c_traceparent"] == traceparent
+    assert stored["input"] == {"prompt": "a cat", "n": 2}
+    assert task.status == task_pb2.TASK_STATUS_QUEUED
+
+
+def test_queue_task_defaults(stub: Stub, tool_id: str) -> None:
+    task = queue(stub, tool_id)
+    assert (task.priority, task.max_retries, task.retry_count) == (0, 3, 0)
+
+
+def test_claim_takes_zombies_first_then_priority_then_fifo(stub: Stub, db: Db, tool_id: str) -> None:
+    zombie = queue(stub, tool_id, priority=-50)
+    assert claim(stub, tool_id).task.id == zombie.id
+    low = queue(stub, tool_id, priority=-1)
+    first_high = queue(stub, tool_id, priority=5)
+    second_high = queue(stub, tool_id, priority=5)
+    normal = queue(stub, tool_id)
+    lapse_lease(db, zombie.id)
+
+    order = [claim(stub, tool_id).task.id for _ in range(5)]
+
+    assert order == [zombie.id, first_high.id, second_high.id, normal.id, low.id]
+    assert not claim(stub, tool_id).HasField("task")
+
+
+def test_claim_stamps_a_lease_on_the_database_clock(stub: Stub, db: Db, tool_id: str) -> None:
+    task = queue(stub, tool_id)
+    claimed = claim(stub, tool_id)
+    stored = row(db, task.id)
+    assert stored["status"] == "processing"
+    assert str(stored["lease_token"]) == claimed.lease_token
+    lease = db.execute(
+        "SELECT claim_expires_at - started_at AS lease FROM generation.tasks WHERE id = %s",
+        [task.id],
+    ).fetchone()
+    assert lease is not None and lease["lease"].total_seconds() == 120
+
+
+def test_reclaim_keeps_started_at_and_costs_one_retry(stub: Stub, db: Db, tool_id: str) -> None:
+    task = queue(stub, tool_id)
+    first = claim(stub, tool_id)
+    assert first.task.retry_count == 0
+    started_at = row(db, task.id)["started_at"]
+    lapse_lease(db, task.id)
+    assert row(db, task.id)["retry_count"] == 0, "the rescue itself costs nothing"
+
+    second = claim(stub, tool_id)
+
+    assert second.task.id == task.id
+    assert second.task.retry_count == 1
+    assert second.lease_token != first.lease_token
+    assert row(db, task.id)["started_at"] == started_at
+    assert not row(db, task.id)["reclaimed"]
+
+
+def test_fresh_claim_and_requeue_do_not_count_as_reclaim(stub: Stub, tool_id: str) -> None:
+    queue(stub, tool_id, max_retries=3)
+    claimed = claim(stub, tool_id)
+    stub.FailTask(
+        task_pb2.FailTaskRequest(
+            task_id=claimed.task.id, lease_token=claimed.lease_token, increment_retry=True
+        )
+    )
+    again = claim(stub, tool_id)
+    assert again.task.retry_count == 1, "one for the failure, none for the claim"
+
+
+def test_max_retries_zero_is_never_claimed_and_is_stale(stub: Stub, tool_id: str) -> None:
+    task = queue(stub, tool_id, max_retries=0)
+    assert not claim(stub, tool_id).HasField("task")
+    stale = stub.ListStaleTasks(task_pb2.ListStaleTasksRequest(limit=10_000)).tasks
+    reasons = {s.task.id: s.reason for s in stale}
+    assert reasons[task.id] == task_pb2.STALE_REASON_UNCLAIMABLE
+
+
+def test_exhausted_zombie_is_not_reclaimed(stub: Stub, db: Db, tool_id: str) -> None:
+    task = queue(stub, tool_id, max_retries=1)
+    claim(stub, tool_id)
+    db.execute(
+        "UPDATE generation.tasks SET retry_count = 1, claim_expires_at = now() - interval '1 s' "
+        "WHERE id = %s",
+        [task.id],
+    )
+    assert not claim(stub, tool_id).HasField("task")
+    assert row(db, task.id)["status"] == "processing", "left for the watchdog"
+
+
+def test_fail_requeues_while_retries_remain_then_fails(stub: Stub, db: Db, tool_id: str) -> None:
+    task = queue(stub, tool_id, max_retries=2)
+
+    first = claim(stub, tool_id)
+    requeued = stub.FailTask(
+        task_pb2.FailTaskRequest(
+            task_id=task.id, lease_token=first.lease_token, increment_retry=True, error="E1"
+        )
+    ).task
+    assert requeued.status == task_pb2.TASK_STATUS_QUEUED
+    assert requeued.retry_count == 1
+    assert not requeued.HasField("completed_at")
+    assert row(db, task.id)["lease_token"] is None
+
+    second = claim(stub, tool_id)
+    failed = stub.FailTask(
+        task_pb2.FailTaskRequest(
+            task_id=task.id, lease_token=second.lease_token, increment_retry=True, error="E2"
+        )
+    ).task
+    assert failed.status == task_pb2.TASK_STATUS_FAILED
+    assert failed.retry_count == 2
+    assert failed.error == "E2"
+    assert failed.HasField("completed_at")
+    assert not claim(stub, tool_id).HasField("task")
+
+
+def test_fail_without_increment_is_terminal(stub: Stub, tool_id: str) -> None:
+    task = queue(stub, tool_id, max_retries=5)
+    claimed = claim(stub, tool_id)
+    failed = stub.FailTask(
+        task_pb2.FailTaskRequest(
+            task_id=task.id, lease_token=claimed.lease_token, increment_retry=False, error="bad"
+        )
+    ).task
+    assert failed.status == task_pb2.TASK_STATUS_FAILED
+    assert failed.retry_count == 0
+
+
+def test_complete_stores_output_and_usage(stub: Stub, db: Db, tool_id: str) -> None:
+    task = queue(stub, tool_id, reserved_token_amount=100)
+    claimed = claim(stub, tool_id)
+    done = stub.CompleteTask(
+        task_pb2.CompleteTaskRequest(
+            task_id=task.id,
+            lease_token=claimed.lease_token,
+            output={"url": "https://example.invalid/1.png"},
+            reported_usage=task_pb2.ReportedUsage(
+                token_amount=80, cost_nanos=12_345_678_901, details={"model": "m1"}
+            ),
+        )
+    ).task
+    assert done.status == task_pb2.TASK_STATUS_COMPLETED
+    stored = row(db, task.id)
+    assert stored["output"] == {"url": "https://example.invalid/1.png"}
+    assert stored["reported_usage"] == {
+        "token_amount": 80,
+        "cost_nanos": 12_345_678_901,
+        "details": {"model": "m1"},
+    }
+    assert stored["lease_token"] is None and stored["claim_expires_at"] is None
+    assert done.reported_usage.cost_nanos == 12_345_678_901
+
+
+def test_get_task(stub: Stub, tool_id: str) -> None:
+    task = queue(stub, tool_id, input={"prompt": "x"})
+    got = stub.GetTask(task_pb2.GetTaskRequest(task_id=task.id)).task
+    assert got == task
+
+
+# --- ListStaleTasks: the three populations, exactly at their boundaries -------------------------
+
+
+def stale_reasons(stub: Stub, tool_id: str, **thresholds: int) -> dict[str, int]:
+    response = stub.ListStaleTasks(task_pb2.ListStaleTasksRequest(limit=10_000, **thresholds))
+    return {s.task.id: s.reason for s in response.tasks if s.task.tool_id == tool_id}
+
+
+def add_row(db: Db, tool_id: str, **columns: Any) -> str:
+    """Writes a task row directly, e.g. in `dispatched`, which no RPC sets."""
+    names = ["tool_id", *columns]
+    values = [tool_id, *columns.values()]
+    created = db.execute(
+        f"INSERT INTO generation.tasks ({', '.join(names)}) "
+        f"VALUES ({', '.join(['%s'] * len(values))}) RETURNING id",
+        values,
+    ).fetchone()
+    assert created is not None
+    return str(created["id"])
+
+
+@pytest.mark.parametrize("status", ["queued", "dispatched"])
+def test_stale_abandoned_boundary(stub: Stub, db: Db, tool_id: str, status: str) -> None:
+    old = add_row(db, tool_id, status=status, created_at=ago(db, 901))
+    young = add_row(db, tool_id, status=status, created_at=ago(db, 890))
+    once_claimed = add_row(
+        db, tool_id, status=status, created_at=ago(db, 5000), started_at=ago(db, 4000)
+    )
+    reasons = stale_reasons(stub, tool_id, queued_max_age_seconds=900)
+    assert reasons == {old: task_pb2.STALE_REASON_ABANDONED}
+    assert young not in reasons and once_claimed not in reasons
+
+
+@pytest.mark.parametrize("status", ["queued", "dispatched"])
+def test_stale_unclaimable_boundary(stub: Stub, db: Db, tool_id: str, status: str) -> None:
+    exhausted = add_row(db, tool_id, status=status, retry_count=3, max_retries=3)
+    last_try_left = add_row(db, tool_id, status=status, retry_count=2, max_retries=3)
+    reasons = stale_reasons(stub, tool_id)
+    assert reasons == {exhausted: task_pb2.STALE_REASON_UNCLAIMABLE}
+    assert last_try_left not in reasons
+
+
+def test_stale_dead_zombie_boundary(stub: Stub, db: Db, tool_id: str) -> None:
+    def zombie(lapsed_seconds_ago: int, retry_count: int) -> str:
+        return add_row(
+            db,
+            tool_id,
+            status="processing",
+            retry_count=retry_count,
+            max_retries=2,
+            lease_token="00000000-0000-0000-0000-000000000001",
+            started_at=ago(db, 3600),
+            claim_expires_at=ago(db, lapsed_seconds_ago),
+        )
+
+    dead = zombie(121, retry_count=2)
+    in_grace = zombie(110, retry_count=2)
+    reasons = stale_reasons(stub, tool_id, processing_grace_seconds=120)
+    assert reasons == {dead: task_pb2.STALE_REASON_DEAD_ZOMBIE}
+    assert in_grace not in reasons
+
+
+def test_stale_never_lists_live_or_finished_work(stub: Stub, db: Db, tool_id: str) -> None:
+    queue(stub, tool_id)
+    queue(stub, tool_id)
+    claim(stub, tool_id)
+    for status in ("completed", "failed"):
+        add_row(db, tool_id, status=status, created_at=ago(db, 10_000), max_retries=0)
+    assert stale_reasons(stub, tool_id) == {}
+
+
+def ago(db: Db, seconds: int) -> Any:
+    found = db.execute("SELECT now() - make_interval(secs => %s) AS t", [seconds]).fetchone()
+    assert found is not None
+    return found["t"]
+
+
+def test_unknown_task_is_not_found(stub: Stub) -> None:
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.GetTask(task_pb2.GetTaskRequest(task_id="00000000-0000-0000-0000-0000000000ff"))
+    error = from_rpc_error(caught.value)
+    assert error.code == grpc.StatusCode.NOT_FOUND
+    assert error.reason == Reason.TASK_NOT_FOUND
