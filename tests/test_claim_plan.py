@@ -1,0 +1,128 @@
+"""Flat claim (GUIDE X2): a claim touches a small, constant number of buffers whatever the backlog
+and the tasks in flight, with fresh statistics, with none (right after a bulk load), and with the
+generic plan a prepared statement ends up on."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+from psycopg.rows import dict_row
+
+from service.rpcs import STATEMENTS
+from tests.conftest import Databases, url_for
+
+IN_FLIGHT = 20_000
+BACKLOG = 200_000
+BUFFER_BUDGET = 40  # a B-tree descent, a few heap pages and the index inserts of one UPDATE
+
+
+@pytest.fixture(scope="module")
+def loaded(databases: Databases) -> Iterator[psycopg.Connection[dict[str, Any]]]:
+    """A database of its own, autovacuum off so nothing analyzes behind the test's back."""
+    url = url_for(databases.create("claim_plan"))
+    with psycopg.connect(url, autocommit=True, row_factory=dict_row) as connection:
+        connection.execute("ALTER TABLE generation.tasks SET (autovacuum_enabled = false)")
+        yield connection
+
+
+def make_tool(connection: psycopg.Connection[dict[str, Any]]) -> uuid.UUID:
+    found = connection.execute(
+        "INSERT INTO generation.tools (name) VALUES (%s) RETURNING id", [uuid.uuid4().hex]
+    ).fetchone()
+    assert found is not None
+    return uuid.UUID(str(found["id"]))
+
+
+def bulk_load(connection: psycopg.Connection[dict[str, Any]], tool: uuid.UUID) -> None:
+    connection.execute(
+        "INSERT INTO generation.tasks (tool_id, priority, created_at) "
+        "SELECT %s, (i %% 7) - 3, now() - make_interval(secs => i) "
+        "FROM generate_series(1, %s) AS i",
+        [tool, BACKLOG],
+    )
+    connection.execute(
+        "INSERT INTO generation.tasks (tool_id, status, lease_token, claim_expires_at, started_at) "
+        "SELECT %s, 'processing', gen_random_uuid(), now() + interval '2 minutes', now() "
+        "FROM generate_series(1, %s)",
+        [tool, IN_FLIGHT],
+    )
+
+
+def claim_plan(
+    connection: psycopg.Connection[dict[str, Any]], tool: uuid.UUID, generic: bool = False
+) -> dict[str, Any]:
+    """EXPLAIN (ANALYZE, BUFFERS) of the service's own claim statement, rolled back."""
+    params = {"tool_id": tool, "lease_seconds": 120}
+    with connection.transaction(force_rollback=True):
+        if generic:
+            names: list[str] = []
+
+            def number(match: re.Match[str]) -> str:
+                if match.group(1) not in names:
+                    names.append(match.group(1))
+                return f"${names.index(match.group(1)) + 1}"
+
+            positional = re.sub(r"%\((\w+)\)s", number, STATEMENTS["ClaimNextTask"])
+            connection.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+            types = ", ".join({"tool_id": "uuid", "lease_seconds": "int"}[n] for n in names)
+            connection.execute(f"PREPARE claim_generic ({types}) AS {positional}")
+            arguments = sql.SQL(", ").join(sql.Literal(params[name]) for name in names)
+            explained = connection.execute(
+                sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE claim_generic ({})").format(
+                    arguments
+                )
+            ).fetchone()
+            connection.execute("DEALLOCATE claim_generic")
+        else:
+            explained = connection.execute(
+                "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + STATEMENTS["ClaimNextTask"], params
+            ).fetchone()
+    assert explained is not None
+    plan: dict[str, Any] = explained["QUERY PLAN"][0]["Plan"]
+    return plan
+
+
+def buffers(plan: dict[str, Any]) -> int:
+    return int(plan["Shared Hit Blocks"]) + int(plan["Shared Read Blocks"])
+
+
+def node_types(plan: dict[str, Any]) -> list[str]:
+    return [plan["Node Type"], *(t for child in plan.get("Plans", []) for t in node_types(child))]
+
+
+def test_claim_is_flat_before_analyze_after_bulk_load(
+    loaded: psycopg.Connection[dict[str, Any]],
+) -> None:
+    small = make_tool(loaded)
+    loaded.execute("INSERT INTO generation.tasks (tool_id) SELECT %s FROM generate_series(1, 10)", [small])
+    big = make_tool(loaded)
+    bulk_load(loaded, big)
+    never_analyzed = loaded.execute(
+        "SELECT last_analyze IS NULL AND last_autoanalyze IS NULL AS fresh "
+        "FROM pg_stat_user_tables WHERE relid = 'generation.tasks'::regclass"
+    ).fetchone()
+    assert never_analyzed == {"fresh": True}
+
+    baseline = claim_plan(loaded, small)
+    for plan in (claim_plan(loaded, big), claim_plan(loaded, big, generic=True)):
+        assert plan["Actual Rows"] == 1
+        assert "Sort" not in node_types(plan), json.dumps(plan, indent=1)
+        assert buffers(plan) <= BUFFER_BUDGET, json.dumps(plan, indent=1)
+        assert buffers(plan) <= buffers(baseline) + 10
+
+
+def test_claim_is_flat_with_statistics(loaded: psycopg.Connection[dict[str, Any]]) -> None:
+    big = make_tool(loaded)
+    bulk_load(loaded, big)
+    loaded.execute("ANALYZE generation.tasks")
+    for plan in (claim_plan(loaded, big), claim_plan(loaded, big, generic=True)):
+        assert plan["Actual Rows"] == 1
+        assert "Sort" not in node_types(plan), json.dumps(plan, indent=1)
+        assert buffers(plan) <= BUFFER_BUDGET, json.dumps(plan, indent=1)
