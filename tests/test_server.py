@@ -1,0 +1,178 @@
+"""The server as an operator meets it: start, stop on SIGTERM, lose the database and get it back."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import uuid
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import grpc
+import psycopg
+import pytest
+from grpc_health.v1 import health_pb2
+from psycopg.rows import dict_row
+
+from generation.task.v1 import task_pb2
+from service.settings import Settings
+from tests.conftest import ROOT, Databases, ServiceProcess, url_for, wait_for
+from tests.tcp_proxy import TcpProxy
+from workers_sdk.errors import Reason, from_rpc_error
+
+
+def health_status(service: ServiceProcess) -> Any:
+    try:
+        return service.health.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+    except grpc.RpcError as error:
+        return error.code()
+
+
+def new_tool(service: ServiceProcess) -> str:
+    request = task_pb2.UpsertToolRequest(name=f"tool-{uuid.uuid4().hex[:8]}")
+    return str(service.stub.UpsertTool(request, timeout=5).tool.id)
+
+
+def test_sigterm_finishes_calls_in_flight_then_exits(
+    database_url: str, tmp_path: Path
+) -> None:
+    service = ServiceProcess(database_url, tmp_path / "serve.log")
+    tool_id = new_tool(service)
+    task_id = service.stub.QueueTask(task_pb2.QueueTaskRequest(tool_id=tool_id)).task.id
+    claimed = service.stub.ClaimNextTask(task_pb2.ClaimNextTaskRequest(tool_id=tool_id))
+    answers: list[Any] = []
+
+    with psycopg.connect(database_url, row_factory=dict_row) as blocker:
+        # Hold the row lock so the heartbeat below stays in flight while the service is told to stop.
+        blocker.execute("SELECT 1 FROM generation.tasks WHERE id = %s FOR UPDATE", [task_id])
+
+        def heartbeat() -> None:
+            request = task_pb2.HeartbeatTaskRequest(task_id=task_id, lease_token=claimed.lease_token)
+            answers.append(service.stub.HeartbeatTask(request, timeout=30))
+
+        caller = threading.Thread(target=heartbeat)
+        caller.start()
+        with psycopg.connect(database_url, autocommit=True) as watcher:
+            wait_for(
+                lambda: watcher.execute(
+                    "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                    "AND query LIKE '%%claim_expires_at%%'"
+                ).fetchone(),
+                what="the heartbeat to wait on the row lock",
+            )
+        service.process.send_signal(signal.SIGTERM)
+        wait_for(
+            lambda: health_status(service) != health_pb2.HealthCheckResponse.SERVING,
+            what="the service to stop serving new calls",
+        )
+        blocker.rollback()
+
+    caller.join(timeout=30)
+    assert len(answers) == 1, "the call in flight did not finish"
+    assert answers[0].HasField("claim_expires_at")
+    assert service.process.wait(timeout=30) == 0
+
+
+def test_database_down_is_unavailable_and_the_pool_recovers(
+    databases: Databases, tmp_path: Path
+) -> None:
+    target = urlsplit(url_for(databases.create("outage")))
+    proxy = TcpProxy((target.hostname or "127.0.0.1", target.port or 5432))
+    proxy.start()
+    proxied = target._replace(netloc=f"{target.username}@127.0.0.1:{proxy.port}").geturl()
+    service = ServiceProcess(
+        proxied, tmp_path / "serve.log", GENQ_POOL_TIMEOUT_SECONDS="1", GENQ_POOL_MIN_SIZE="1"
+    )
+    try:
+        tool_id = new_tool(service)
+        proxy.cut()
+
+        def unavailable() -> bool:
+            try:
+                service.stub.QueueTask(task_pb2.QueueTaskRequest(tool_id=tool_id), timeout=10)
+            except grpc.RpcError as error:
+                failure = from_rpc_error(error)
+                assert failure.code == grpc.StatusCode.UNAVAILABLE, failure
+                assert failure.reason == Reason.DATABASE_UNAVAILABLE
+                return True
+            return False
+
+        wait_for(unavailable, what="UNAVAILABLE while the database is gone")
+        wait_for(
+            lambda: health_status(service) == health_pb2.HealthCheckResponse.NOT_SERVING,
+            what="health NOT_SERVING",
+        )
+
+        proxy.start()
+
+        def recovered() -> bool:
+            try:
+                service.stub.QueueTask(task_pb2.QueueTaskRequest(tool_id=tool_id), timeout=10)
+            except grpc.RpcError:
+                return False
+            return True
+
+        wait_for(recovered, timeout=30, what="the pool to reconnect")
+        wait_for(lambda: service.serving(), what="health SERVING again")
+    finally:
+        service.stop()
+        proxy.cut()
+
+
+def test_serve_without_database_url_runs_an_embedded_postgres(tmp_path: Path) -> None:
+    service = ServiceProcess(None, tmp_path / "serve.log", GENQ_DATA_DIR=str(tmp_path))
+    try:
+        tool_id = new_tool(service)
+        task = service.stub.QueueTask(task_pb2.QueueTaskRequest(tool_id=tool_id)).task
+        claimed = service.stub.ClaimNextTask(task_pb2.ClaimNextTaskRequest(tool_id=tool_id))
+        assert claimed.task.id == task.id
+        assert (tmp_path / "pgdata" / "PG_VERSION").exists()
+    finally:
+        assert service.stop() == 0
+    wait_for(
+        lambda: not (tmp_path / "pgdata" / "postmaster.pid").exists(),
+        what="the embedded Postgres to stop with the service",
+    )
+
+
+def genq(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "service", *args],
+        env={**os.environ, **env},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_genq_migrate_upgrades_a_database(databases: Databases) -> None:
+    url = url_for(databases.create("cli_migrate", template=None))
+    result = genq("migrate", DATABASE_URL=url)
+    assert result.returncode == 0, result.stderr
+    with psycopg.connect(url) as connection:
+        assert connection.execute("SELECT to_regclass('generation.tasks') IS NOT NULL").fetchone() == (
+            True,
+        )
+
+
+@pytest.mark.parametrize("command", [[], ["serve"], ["migrate"]])
+def test_genq_help(command: list[str]) -> None:
+    result = genq(*command, "--help")
+    assert result.returncode == 0
+    assert "usage: genq" in result.stdout
+
+
+def test_settings_from_environment() -> None:
+    settings = Settings.from_env(
+        {"DATABASE_URL": "postgresql://x/y", "GENQ_PORT": "6000", "GENQ_POOL_TIMEOUT_SECONDS": "2.5"}
+    )
+    assert settings.database_url == "postgresql://x/y"
+    assert settings.port == 6000 and settings.pool_timeout_seconds == 2.5
+    assert Settings.from_env({}).lease_seconds == 120
+    with pytest.raises(SystemExit, match="GENQ_PORT"):
+        Settings.from_env({"GENQ_PORT": "many"})
