@@ -2,9 +2,9 @@
 
 import os
 
-from alembic import context
 from sqlalchemy import create_engine, pool
 
+from alembic import context
 from service.migrations import sqlalchemy_url
 
 url = context.config.attributes.get("database_url") or os.environ["DATABASE_URL"]

@@ -24,7 +24,11 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
 
     url = _database_url(settings)
     migrations.upgrade(url)
-    asyncio.run(server.serve(settings, url, ready=lambda port: print(f"genq serving gRPC on port {port}", flush=True)))
+    asyncio.run(
+        server.serve(
+            settings, url, ready=lambda port: print(f"genq serving gRPC on port {port}", flush=True)
+        )
+    )
     return 0
 
 
@@ -40,7 +44,8 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(
         prog="genq",
-        description="The genq data plane. Settings come from the environment (see docs/OPERATIONS.md).",
+        description="The genq data plane. Settings come from the environment "
+        "(see docs/OPERATIONS.md).",
     )
     commands = top.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(
@@ -56,14 +61,18 @@ def parser() -> argparse.ArgumentParser:
         help="migrate the database and exit",
         description="Upgrade DATABASE_URL (or the embedded database) to a revision (default head).",
     )
-    migrate.add_argument("revision", nargs="?", help="target revision (default: head, or base with --downgrade)")
+    migrate.add_argument(
+        "revision", nargs="?", help="target revision (default: head, or base with --downgrade)"
+    )
     migrate.add_argument("--downgrade", action="store_true", help="downgrade instead of upgrade")
     migrate.set_defaults(run=cmd_migrate)
     return top
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     args = parser().parse_args(argv)
     return int(args.run(args, Settings.from_env()))
 

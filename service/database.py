@@ -21,7 +21,9 @@ class Database:
 
     def __init__(self, url: str, settings: Settings) -> None:
         async def configure(connection: psycopg.AsyncConnection[Any]) -> None:
-            await connection.execute(f"SET statement_timeout = {int(settings.statement_timeout_ms)}")
+            await connection.execute(
+                f"SET statement_timeout = {int(settings.statement_timeout_ms)}"
+            )
 
         self.pool: psycopg_pool.AsyncConnectionPool[psycopg.AsyncConnection[Row]] = (
             psycopg_pool.AsyncConnectionPool(

@@ -14,7 +14,7 @@ DATABASE = "genq"
 
 
 def start(data_dir: Path) -> str:
-    """Starts (or reuses) the server whose data lives in data_dir; returns the URL of its genq database.
+    """Starts (or reuses) the server keeping its data in data_dir; returns its genq database URL.
 
     The server keeps running only as long as this process: it stops when the process exits.
     """

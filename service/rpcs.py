@@ -54,7 +54,9 @@ def _fenced(rows: list[Row], changed_column: str = "id") -> Row:
     if not row["found"]:
         raise TaskNotFound("task not found")
     if row[changed_column] is None and row.get("forced"):
-        raise TaskNotStale("the task is not stale now; only stale tasks can be failed without a lease")
+        raise TaskNotStale(
+            "the task is not stale now; only stale tasks can be failed without a lease"
+        )
     if row[changed_column] is None:
         raise LeaseLost("lease lost: the task is no longer held under this lease")
     return row
@@ -121,7 +123,9 @@ def bind_complete_task(request: task_pb2.CompleteTaskRequest, settings: Settings
         "output": validation.struct("output", request.output, max_bytes=settings.max_input_bytes),
         "reported_usage": Jsonb(
             {
-                "token_amount": validation.amount("reported_usage.token_amount", usage.token_amount),
+                "token_amount": validation.amount(
+                    "reported_usage.token_amount", usage.token_amount
+                ),
                 "cost_nanos": validation.amount("reported_usage.cost_nanos", usage.cost_nanos),
                 "details": validation.struct(
                     "reported_usage.details", usage.details, max_bytes=settings.max_input_bytes

@@ -64,14 +64,20 @@ async def watch_health(database: Database, health_servicer: health.aio.HealthSer
         up = await database.ping()
         if up != serving:
             serving = up
-            state = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
+            state = (
+                health_pb2.HealthCheckResponse.SERVING
+                if up
+                else health_pb2.HealthCheckResponse.NOT_SERVING
+            )
             for name in ("", SERVICE.full_name):
                 await health_servicer.set(name, state)
             log.log(logging.INFO if up else logging.WARNING, "database %s", "up" if up else "DOWN")
         await asyncio.sleep(HEALTH_CHECK_INTERVAL_SECONDS)
 
 
-async def serve(settings: Settings, database_url: str, ready: Callable[[int], None] | None = None) -> None:
+async def serve(
+    settings: Settings, database_url: str, ready: Callable[[int], None] | None = None
+) -> None:
     """Serves until SIGTERM or SIGINT, then stops taking calls and lets those in flight finish."""
     database = Database(database_url, settings)
     await database.open()
@@ -110,5 +116,3 @@ async def serve(settings: Settings, database_url: str, ready: Callable[[int], No
     await asyncio.gather(*background, return_exceptions=True)
     await database.close()
     log.info("stopped")
-
-

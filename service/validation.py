@@ -1,4 +1,4 @@
-"""Checks on request fields. Each raises InvalidArgument naming the field; none touches the database."""
+"""Checks on request fields: each raises InvalidArgument naming the field,."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def traceparent(field: str, value: str) -> str | None:
 
 
 def struct(field: str, value: struct_pb2.Struct, *, max_bytes: int) -> Jsonb:
-    """A Struct as a jsonb parameter: bounded in size, free of NUL characters (jsonb refuses them)."""
+    """A Struct as a jsonb parameter: bounded in size, free of NUL characters; jsonb refuses NUL."""
     if value.ByteSize() > max_bytes:
         raise InvalidArgument(f"{field} is larger than {max_bytes} bytes", field=field)
     document = json_format.MessageToDict(value)

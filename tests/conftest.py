@@ -51,7 +51,7 @@ def url_for(database: str) -> str:
 
 
 class Databases:
-    """Creates databases for this session (from the migrated template) and drops them all at the end."""
+    """Creates this session's databases (from the migrated template); drops them all at the end."""
 
     def __init__(self) -> None:
         self.prefix = f"genq_test_{uuid.uuid4().hex[:8]}"
@@ -74,7 +74,9 @@ class Databases:
         with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
             for database in reversed(self.created):
                 admin.execute(
-                    sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(database))
+                    sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                        sql.Identifier(database)
+                    )
                 )
 
 
@@ -162,7 +164,9 @@ class ServiceProcess:
 
 
 @pytest.fixture(scope="session")
-def service(database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+def service(
+    database_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServiceProcess]:
     process = ServiceProcess(database_url, tmp_path_factory.mktemp("service") / "serve.log")
     yield process
     process.stop()

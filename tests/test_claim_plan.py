@@ -75,9 +75,9 @@ def claim_plan(
             connection.execute(f"PREPARE claim_generic ({types}) AS {positional}")
             arguments = sql.SQL(", ").join(sql.Literal(params[name]) for name in names)
             explained = connection.execute(
-                sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE claim_generic ({})").format(
-                    arguments
-                )
+                sql.SQL(
+                    "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE claim_generic ({})"
+                ).format(arguments)
             ).fetchone()
             connection.execute("DEALLOCATE claim_generic")
         else:
@@ -101,7 +101,9 @@ def test_claim_is_flat_before_analyze_after_bulk_load(
     loaded: psycopg.Connection[dict[str, Any]],
 ) -> None:
     small = make_tool(loaded)
-    loaded.execute("INSERT INTO generation.tasks (tool_id) SELECT %s FROM generate_series(1, 10)", [small])
+    loaded.execute(
+        "INSERT INTO generation.tasks (tool_id) SELECT %s FROM generate_series(1, 10)", [small]
+    )
     big = make_tool(loaded)
     bulk_load(loaded, big)
     never_analyzed = loaded.execute(

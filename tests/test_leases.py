@@ -1,4 +1,4 @@
-"""Fenced leases (GUIDE X1): only the current lease holder writes; the reaper kills only stale tasks."""
+"""Fenced leases (GUIDE X1): only the lease holder writes; the reaper fails only stale tasks."""
 
 from __future__ import annotations
 
@@ -144,9 +144,7 @@ def test_forced_fail_refuses_an_exhausted_task_whose_lease_still_runs(
     task = queue(stub, tool_id, max_retries=1)
     claim(stub, tool_id)
     db.execute("UPDATE generation.tasks SET retry_count = 1 WHERE id = %s", [task.id])
-    error = refused(
-        stub.FailTask, task_pb2.FailTaskRequest(task_id=task.id, increment_retry=False)
-    )
+    error = refused(stub.FailTask, task_pb2.FailTaskRequest(task_id=task.id, increment_retry=False))
     assert error.reason == Reason.TASK_NOT_STALE
     assert row(db, task.id)["status"] == "processing"
 

@@ -69,7 +69,9 @@ def test_queue_task_defaults(stub: Stub, tool_id: str) -> None:
     assert (task.priority, task.max_retries, task.retry_count) == (0, 3, 0)
 
 
-def test_claim_takes_zombies_first_then_priority_then_fifo(stub: Stub, db: Db, tool_id: str) -> None:
+def test_claim_takes_zombies_first_then_priority_then_fifo(
+    stub: Stub, db: Db, tool_id: str
+) -> None:
     zombie = queue(stub, tool_id, priority=-50)
     assert claim(stub, tool_id).task.id == zombie.id
     low = queue(stub, tool_id, priority=-1)

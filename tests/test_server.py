@@ -37,9 +37,7 @@ def new_tool(service: ServiceProcess) -> str:
     return str(service.stub.UpsertTool(request, timeout=5).tool.id)
 
 
-def test_sigterm_finishes_calls_in_flight_then_exits(
-    database_url: str, tmp_path: Path
-) -> None:
+def test_sigterm_finishes_calls_in_flight_then_exits(database_url: str, tmp_path: Path) -> None:
     service = ServiceProcess(database_url, tmp_path / "serve.log")
     tool_id = new_tool(service)
     task_id = service.stub.QueueTask(task_pb2.QueueTaskRequest(tool_id=tool_id)).task.id
@@ -47,11 +45,13 @@ def test_sigterm_finishes_calls_in_flight_then_exits(
     answers: list[Any] = []
 
     with psycopg.connect(database_url, row_factory=dict_row) as blocker:
-        # Hold the row lock so the heartbeat below stays in flight while the service is told to stop.
+        # Hold the row lock: the heartbeat below stays in flight while the service stops.
         blocker.execute("SELECT 1 FROM generation.tasks WHERE id = %s FOR UPDATE", [task_id])
 
         def heartbeat() -> None:
-            request = task_pb2.HeartbeatTaskRequest(task_id=task_id, lease_token=claimed.lease_token)
+            request = task_pb2.HeartbeatTaskRequest(
+                task_id=task_id, lease_token=claimed.lease_token
+            )
             answers.append(service.stub.HeartbeatTask(request, timeout=30))
 
         caller = threading.Thread(target=heartbeat)
@@ -155,9 +155,9 @@ def test_genq_migrate_upgrades_a_database(databases: Databases) -> None:
     result = genq("migrate", DATABASE_URL=url)
     assert result.returncode == 0, result.stderr
     with psycopg.connect(url) as connection:
-        assert connection.execute("SELECT to_regclass('generation.tasks') IS NOT NULL").fetchone() == (
-            True,
-        )
+        assert connection.execute(
+            "SELECT to_regclass('generation.tasks') IS NOT NULL"
+        ).fetchone() == (True,)
 
 
 @pytest.mark.parametrize("command", [[], ["serve"], ["migrate"]])
@@ -169,7 +169,11 @@ def test_genq_help(command: list[str]) -> None:
 
 def test_settings_from_environment() -> None:
     settings = Settings.from_env(
-        {"DATABASE_URL": "postgresql://x/y", "GENQ_PORT": "6000", "GENQ_POOL_TIMEOUT_SECONDS": "2.5"}
+        {
+            "DATABASE_URL": "postgresql://x/y",
+            "GENQ_PORT": "6000",
+            "GENQ_POOL_TIMEOUT_SECONDS": "2.5",
+        }
     )
     assert settings.database_url == "postgresql://x/y"
     assert settings.port == 6000 and settings.pool_timeout_seconds == 2.5
