@@ -36,6 +36,7 @@ def generate(out: Path) -> None:
         ],
         check=True,
         cwd=PROTO,
+        capture_output=True,  # mypy-protobuf narrates every file it writes
     )
     for folder in [out / "generation", *(p for p in (out / "generation").rglob("*") if p.is_dir())]:
         (folder / "__init__.py").touch()

@@ -1,0 +1,51 @@
+"""The contract (GUIDE A1): every RPC carries its SQL, the stubs match the proto, buf lint is clean."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from generation.task.v1 import task_pb2
+from service.rpcs import BINDINGS, SERVICE, STATEMENTS
+from tests.conftest import ROOT
+
+BUF = ROOT / ".tools" / "node_modules" / ".bin" / "buf"
+
+
+def test_every_rpc_has_sql_and_a_binding() -> None:
+    names = {method.name for method in SERVICE.methods}
+    assert names == set(STATEMENTS) == set(BINDINGS)
+
+
+def test_task_status_mirrors_the_postgres_enum(db) -> None:  # type: ignore[no-untyped-def]
+    labels = [
+        r["label"]
+        for r in db.execute(
+            "SELECT unnest(enum_range(NULL::generation.task_status))::text AS label"
+        ).fetchall()
+    ]
+    proto = [
+        name.removeprefix("TASK_STATUS_").lower()
+        for name in task_pb2.TaskStatus.keys()
+        if name != "TASK_STATUS_UNSPECIFIED"
+    ]
+    assert proto == labels
+    assert task_pb2.TaskStatus.Value("TASK_STATUS_UNSPECIFIED") == 0
+
+
+def test_generated_stubs_match_the_proto() -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "proto" / "build.py"), "check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_buf_lint_standard_is_clean() -> None:
+    assert BUF.exists(), "buf is not installed: run `make install` (npm @bufbuild/buf)"
+    result = subprocess.run(
+        [str(BUF), "lint"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
