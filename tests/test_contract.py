@@ -1,4 +1,4 @@
-"""The contract (GUIDE A1): every RPC carries its SQL, the stubs match the proto, buf lint is clean."""
+"""The contract (GUIDE A1): each RPC carries its SQL, stubs match the proto, buf lint is clean."""
 
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ def test_task_status_mirrors_the_postgres_enum(db) -> None:  # type: ignore[no-u
         ).fetchall()
     ]
     proto = [
-        name.removeprefix("TASK_STATUS_").lower()
-        for name in task_pb2.TaskStatus.keys()
-        if name != "TASK_STATUS_UNSPECIFIED"
+        value.name.removeprefix("TASK_STATUS_").lower()
+        for value in task_pb2.TaskStatus.DESCRIPTOR.values
+        if value.number != 0
     ]
     assert proto == labels
     assert task_pb2.TaskStatus.Value("TASK_STATUS_UNSPECIFIED") == 0
