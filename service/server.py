@@ -10,32 +10,42 @@ from typing import Any
 
 import grpc
 from google.protobuf import message_factory
-from google.protobuf.message import Message
+from google.protobuf.descriptor import MethodDescriptor
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from service import rescuer
 from service.database import Database
-from service.errors import Internal, ServiceError, rpc_status_of
+from service.errors import Internal, InvalidArgument, ServiceError, rpc_status_of
 from service.rpcs import BINDINGS, SERVICE, STATEMENTS, Binding
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Message]]
+Handler = Callable[[bytes, grpc.aio.ServicerContext[Any, Any]], Awaitable[bytes]]
 HEALTH_CHECK_INTERVAL_SECONDS = 2.0
 
 
-def unary_handler(database: Database, settings: Settings, sql: str, binding: Binding) -> Handler:
-    """validate -> one statement -> map the rows; every failure leaves as a gRPC status."""
+def unary_handler(
+    database: Database, settings: Settings, method: MethodDescriptor, binding: Binding
+) -> Handler:
+    """parse -> validate -> one statement -> map the rows; every failure leaves as a gRPC status."""
+    sql = STATEMENTS[method.name]
+    request_class = message_factory.GetMessageClass(method.input_type)
 
-    async def handle(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Message:
+    async def handle(payload: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
         try:
-            return binding.respond(await database.fetch(sql, binding.bind(request, settings)))
+            try:
+                request = request_class.FromString(payload)
+            except DecodeError:
+                raise InvalidArgument("the request is not a valid protobuf message") from None
+            response = binding.respond(await database.fetch(sql, binding.bind(request, settings)))
+            return response.SerializeToString()
         except ServiceError as error:
             status = rpc_status_of(error)
         except Exception:
-            log.exception("unexpected error in %s", context.peer())
+            log.exception("unexpected error in %s", method.name)
             status = rpc_status_of(Internal("internal error"))
         await context.abort(status.code, status.details, status.trailing_metadata)
         raise AssertionError("unreachable: abort() raises")
@@ -44,16 +54,17 @@ def unary_handler(database: Database, settings: Settings, sql: str, binding: Bin
 
 
 def data_service(database: Database, settings: Settings) -> grpc.GenericRpcHandler:
-    """GenerationDataService, each method bound to the statement in its `sql` option."""
-    handlers = {}
-    for method in SERVICE.methods:
-        request_class = message_factory.GetMessageClass(method.input_type)
-        response_class = message_factory.GetMessageClass(method.output_type)
-        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-            unary_handler(database, settings, STATEMENTS[method.name], BINDINGS[method.name]),
-            request_deserializer=request_class.FromString,
-            response_serializer=response_class.SerializeToString,
+    """GenerationDataService, each method bound to the statement in its `sql` option.
+
+    Requests arrive as bytes and are parsed in the handler, so a malformed one is
+    INVALID_ARGUMENT like any other bad input.
+    """
+    handlers = {
+        method.name: grpc.unary_unary_rpc_method_handler(
+            unary_handler(database, settings, method, BINDINGS[method.name])
         )
+        for method in SERVICE.methods
+    }
     return grpc.method_handlers_generic_handler(SERVICE.full_name, handlers)
 
 

@@ -11,17 +11,17 @@ from psycopg.types.json import Jsonb
 
 from service.errors import InvalidArgument
 
-_TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
+_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+_UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 _INT64_MAX = 2**63 - 1
 
 
 def required_uuid(field: str, value: str) -> uuid.UUID:
     if not value:
         raise InvalidArgument(f"{field} is required", field=field)
-    try:
-        return uuid.UUID(value)
-    except ValueError:
-        raise InvalidArgument(f"{field} is not a UUID: {value[:64]!r}", field=field) from None
+    if not _UUID.fullmatch(value):
+        raise InvalidArgument(f"{field} is not a UUID: {value[:64]!r}", field=field)
+    return uuid.UUID(value)
 
 
 def optional_uuid(field: str, value: str) -> uuid.UUID | None:
@@ -56,7 +56,7 @@ def traceparent(field: str, value: str) -> str | None:
     """A W3C traceparent (version-traceid-parentid-flags), or None when empty."""
     if not value:
         return None
-    match = _TRACEPARENT.match(value)
+    match = _TRACEPARENT.fullmatch(value)
     if (
         match is None
         or match.group(1) == "ff"
@@ -71,7 +71,12 @@ def struct(field: str, value: struct_pb2.Struct, *, max_bytes: int) -> Jsonb:
     """A Struct as a jsonb parameter: bounded in size, free of NUL characters; jsonb refuses NUL."""
     if value.ByteSize() > max_bytes:
         raise InvalidArgument(f"{field} is larger than {max_bytes} bytes", field=field)
-    document = json_format.MessageToDict(value)
+    try:
+        document = json_format.MessageToDict(value)
+    except ValueError:  # NaN and Infinity have no JSON form
+        raise InvalidArgument(
+            f"{field} holds a number JSON cannot (NaN or Infinity)", field=field
+        ) from None
     if _has_nul(document):
         raise InvalidArgument(f"{field} contains a NUL character", field=field)
     return Jsonb(document)

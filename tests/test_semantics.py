@@ -301,3 +301,18 @@ def test_unknown_task_is_not_found(stub: Stub) -> None:
     error = from_rpc_error(caught.value)
     assert error.code == grpc.StatusCode.NOT_FOUND
     assert error.reason == Reason.TASK_NOT_FOUND
+
+
+def test_complete_after_a_failed_attempt_clears_the_error(stub: Stub, tool_id: str) -> None:
+    task = queue(stub, tool_id)
+    first = claim(stub, tool_id)
+    stub.FailTask(
+        task_pb2.FailTaskRequest(
+            task_id=task.id, lease_token=first.lease_token, increment_retry=True, error="503"
+        )
+    )
+    second = claim(stub, tool_id)
+    done = stub.CompleteTask(
+        task_pb2.CompleteTaskRequest(task_id=task.id, lease_token=second.lease_token)
+    ).task
+    assert done.error == ""
