@@ -52,6 +52,11 @@ class TaskNotStale(ServiceError):
     reason = Reason.TASK_NOT_STALE
 
 
+class TaskNotTerminal(ServiceError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = Reason.TASK_NOT_TERMINAL
+
+
 class Internal(ServiceError):
     """A bug; the caller sees no detail of it, the service log has the traceback."""
 

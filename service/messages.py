@@ -50,3 +50,27 @@ def _struct(target: struct_pb2.Struct, value: dict[str, Any] | None) -> None:
 def _timestamp(target: timestamp_pb2.Timestamp, value: datetime | None) -> None:
     if value is not None:
         target.FromDatetime(value)
+
+
+def task_event(event: Row) -> task_pb2.TaskEvent:
+    """An event as `to_jsonb(task_events row)` renders it."""
+    message = task_pb2.TaskEvent(
+        task_id=str(event["task_id"]),
+        sequence=int(event["sequence"]),
+        kind=task_pb2.TaskEventKind.Value(f"TASK_EVENT_KIND_{event['kind'].upper()}"),
+    )
+    _struct(message.data, event["data"])
+    _timestamp(message.created_at, datetime.fromisoformat(event["created_at"]))
+    return message
+
+
+def settlement(row: Row) -> task_pb2.Settlement:
+    message = task_pb2.Settlement(
+        task_id=str(row["task_id"]),
+        task_status=task_pb2.TaskStatus.Value(f"TASK_STATUS_{row['task_status'].upper()}"),
+        reserved_token_amount=row["reserved_token_amount"],
+        charged_token_amount=row["charged_token_amount"],
+        refunded_token_amount=row["refunded_token_amount"],
+    )
+    _timestamp(message.settled_at, row["settled_at"])
+    return message

@@ -14,6 +14,7 @@ import asyncio
 import logging
 
 from service.database import Database
+from service.signals import Signals
 
 log = logging.getLogger(__name__)
 
@@ -31,21 +32,23 @@ RETURNING t.id, t.tool_id
 BATCH = 1000
 
 
-async def rescue_lapsed_leases(database: Database) -> int:
+async def rescue_lapsed_leases(database: Database, signals: Signals) -> int:
     """One sweep; returns how many tasks went back to the queue."""
     total = 0
     while True:
         rows = await database.fetch(RESCUE_SQL, {"batch": BATCH})
+        for row in rows:
+            signals.task_queued(str(row["tool_id"]))
         total += len(rows)
         if len(rows) < BATCH:
             return total
 
 
-async def run(database: Database, interval_seconds: float) -> None:
+async def run(database: Database, signals: Signals, interval_seconds: float) -> None:
     while True:
         try:
-            if rescued := await rescue_lapsed_leases(database):
+            if rescued := await rescue_lapsed_leases(database, signals):
                 log.info("rescued %d tasks whose lease lapsed", rescued)
-        except Exception:
-            log.exception("lease rescue failed; retrying in %.1f s", interval_seconds)
+        except Exception as error:
+            log.warning("lease rescue failed (%s); retrying in %.1f s", error, interval_seconds)
         await asyncio.sleep(interval_seconds)

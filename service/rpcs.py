@@ -15,9 +15,16 @@ from psycopg.types.json import Jsonb
 
 from generation.task.v1 import options_pb2, task_pb2
 from service import messages, validation
-from service.errors import InvalidArgument, LeaseLost, TaskNotFound, TaskNotStale
+from service.errors import (
+    InvalidArgument,
+    LeaseLost,
+    TaskNotFound,
+    TaskNotStale,
+    TaskNotTerminal,
+)
 from service.messages import Row
 from service.settings import Settings
+from service.signals import Signals
 
 DEFAULT_MAX_RETRIES = 3
 DEFAULT_PROCESSING_GRACE_SECONDS = 120
@@ -42,6 +49,10 @@ class Binding:
     """Checks the request and returns the statement's parameters."""
     respond: Callable[[list[Row]], Message]
     """Builds the response from the rows the statement returned."""
+    after: Callable[[Signals, list[Row]], None] | None = None
+    """Signals to send once the statement has committed (wakes, events)."""
+    park: Callable[[Any, Params, Settings], tuple[str, float]] | None = None
+    """For a claim that may wait: the tool to park on and for how long."""
 
 
 def _fenced(rows: list[Row], changed_column: str = "id") -> Row:
@@ -101,10 +112,22 @@ def bind_queue_task(request: task_pb2.QueueTaskRequest, settings: Settings) -> P
 
 
 def bind_claim_next_task(request: task_pb2.ClaimNextTaskRequest, settings: Settings) -> Params:
+    if request.wait.seconds < 0 or request.wait.nanos < 0:
+        raise InvalidArgument("wait must not be negative", field="wait")
+    if request.wait.ToTimedelta().total_seconds() > settings.max_claim_wait_seconds:
+        raise InvalidArgument(
+            f"wait must be at most {settings.max_claim_wait_seconds:g} s", field="wait"
+        )
     return {
         "tool_id": validation.required_uuid("tool_id", request.tool_id),
         "lease_seconds": settings.lease_seconds,
     }
+
+
+def park_claim(
+    request: task_pb2.ClaimNextTaskRequest, params: Params, settings: Settings
+) -> tuple[str, float]:
+    return str(params["tool_id"]), request.wait.ToTimedelta().total_seconds()
 
 
 def bind_heartbeat_task(request: task_pb2.HeartbeatTaskRequest, settings: Settings) -> Params:
@@ -163,6 +186,77 @@ def bind_get_task(request: task_pb2.GetTaskRequest, settings: Settings) -> Param
     return {"task_id": validation.required_uuid("task_id", request.task_id)}
 
 
+PUBLISHABLE = {
+    task_pb2.TASK_EVENT_KIND_PROGRESS: "progress",
+    task_pb2.TASK_EVENT_KIND_STREAMING_URL: "streaming_url",
+    task_pb2.TASK_EVENT_KIND_PARTIAL_OUTPUT: "partial_output",
+}
+
+
+def bind_publish_task_event(
+    request: task_pb2.PublishTaskEventRequest, settings: Settings
+) -> Params:
+    if request.kind not in PUBLISHABLE:
+        raise InvalidArgument(
+            "kind must be PROGRESS, STREAMING_URL or PARTIAL_OUTPUT; the service adds the others",
+            field="kind",
+        )
+    return {
+        "task_id": validation.required_uuid("task_id", request.task_id),
+        "lease_token": validation.required_uuid("lease_token", request.lease_token),
+        "kind": PUBLISHABLE[request.kind],
+        "data": validation.struct("data", request.data, max_bytes=settings.max_input_bytes),
+    }
+
+
+def bind_watch_task_events(request: task_pb2.WatchTaskEventsRequest, settings: Settings) -> Params:
+    return {
+        "task_id": validation.required_uuid("task_id", request.task_id),
+        "after_sequence": validation.amount("after_sequence", request.after_sequence),
+    }
+
+
+def bind_list_unsettled_tasks(
+    request: task_pb2.ListUnsettledTasksRequest, settings: Settings
+) -> Params:
+    return {
+        "limit": validation.in_range("limit", request.limit, 0, MAX_STALE_LIMIT)
+        or DEFAULT_STALE_LIMIT
+    }
+
+
+def bind_settle_task(request: task_pb2.SettleTaskRequest, settings: Settings) -> Params:
+    return {"task_id": validation.required_uuid("task_id", request.task_id)}
+
+
+def respond_settle(rows: list[Row]) -> task_pb2.SettleTaskResponse:
+    (row,) = rows
+    if not row["found"]:
+        raise TaskNotFound("task not found")
+    if row["task_id"] is None:
+        raise TaskNotTerminal("only a completed or failed task can be settled")
+    return task_pb2.SettleTaskResponse(
+        settlement=messages.settlement(row), settled_now=row["settled_now"]
+    )
+
+
+def signal_event(signals: Signals, rows: list[Row]) -> None:
+    for row in rows:
+        if row.get("event"):
+            signals.event_added(row["event"])
+
+
+def signal_queued(signals: Signals, rows: list[Row]) -> None:
+    for row in rows:
+        if row.get("status") == "queued":
+            signals.task_queued(str(row["tool_id"]))
+
+
+def signal_fail(signals: Signals, rows: list[Row]) -> None:
+    signal_queued(signals, rows)
+    signal_event(signals, rows)
+
+
 def respond_get_task(rows: list[Row]) -> task_pb2.GetTaskResponse:
     if not rows:
         raise TaskNotFound("task not found")
@@ -205,17 +299,35 @@ BINDINGS: dict[str, Binding] = {
     "QueueTask": Binding(
         bind_queue_task,
         lambda rows: task_pb2.QueueTaskResponse(task=messages.task(rows[0])),
+        after=signal_queued,
     ),
-    "ClaimNextTask": Binding(bind_claim_next_task, respond_claim),
+    "ClaimNextTask": Binding(bind_claim_next_task, respond_claim, park=park_claim),
     "HeartbeatTask": Binding(bind_heartbeat_task, respond_heartbeat),
     "CompleteTask": Binding(
         bind_complete_task,
         lambda rows: task_pb2.CompleteTaskResponse(task=messages.task(_fenced(rows))),
+        after=signal_event,
     ),
     "FailTask": Binding(
         bind_fail_task,
         lambda rows: task_pb2.FailTaskResponse(task=messages.task(_fenced(rows))),
+        after=signal_fail,
     ),
     "ListStaleTasks": Binding(bind_list_stale_tasks, respond_stale),
     "GetTask": Binding(bind_get_task, respond_get_task),
+    "PublishTaskEvent": Binding(
+        bind_publish_task_event,
+        lambda rows: task_pb2.PublishTaskEventResponse(
+            event=messages.task_event(_fenced(rows)["event"])
+        ),
+        after=signal_event,
+    ),
+    "ListUnsettledTasks": Binding(
+        bind_list_unsettled_tasks,
+        lambda rows: task_pb2.ListUnsettledTasksResponse(tasks=[messages.task(r) for r in rows]),
+    ),
+    "SettleTask": Binding(bind_settle_task, respond_settle),
 }
+
+# Server-streaming: the statement reads one page of events; service/handlers.py follows.
+WATCH = bind_watch_task_events

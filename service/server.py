@@ -5,67 +5,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Callable
 
 import grpc
-from google.protobuf import message_factory
-from google.protobuf.descriptor import MethodDescriptor
-from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from service import rescuer
 from service.database import Database
-from service.errors import Internal, InvalidArgument, ServiceError, rpc_status_of
-from service.rpcs import BINDINGS, SERVICE, STATEMENTS, Binding
+from service.handlers import Handlers
+from service.rpcs import SERVICE
 from service.settings import Settings
+from service.signals import Signals
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[bytes, grpc.aio.ServicerContext[Any, Any]], Awaitable[bytes]]
 HEALTH_CHECK_INTERVAL_SECONDS = 2.0
-
-
-def unary_handler(
-    database: Database, settings: Settings, method: MethodDescriptor, binding: Binding
-) -> Handler:
-    """parse -> validate -> one statement -> map the rows; every failure leaves as a gRPC status."""
-    sql = STATEMENTS[method.name]
-    request_class = message_factory.GetMessageClass(method.input_type)
-
-    async def handle(payload: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
-        try:
-            try:
-                request = request_class.FromString(payload)
-            except DecodeError:
-                raise InvalidArgument("the request is not a valid protobuf message") from None
-            response = binding.respond(await database.fetch(sql, binding.bind(request, settings)))
-            return response.SerializeToString()
-        except ServiceError as error:
-            status = rpc_status_of(error)
-        except Exception:
-            log.exception("unexpected error in %s", method.name)
-            status = rpc_status_of(Internal("internal error"))
-        await context.abort(status.code, status.details, status.trailing_metadata)
-        raise AssertionError("unreachable: abort() raises")
-
-    return handle
-
-
-def data_service(database: Database, settings: Settings) -> grpc.GenericRpcHandler:
-    """GenerationDataService, each method bound to the statement in its `sql` option.
-
-    Requests arrive as bytes and are parsed in the handler, so a malformed one is
-    INVALID_ARGUMENT like any other bad input.
-    """
-    handlers = {
-        method.name: grpc.unary_unary_rpc_method_handler(
-            unary_handler(database, settings, method, BINDINGS[method.name])
-        )
-        for method in SERVICE.methods
-    }
-    return grpc.method_handlers_generic_handler(SERVICE.full_name, handlers)
 
 
 async def watch_health(database: Database, health_servicer: health.aio.HealthServicer) -> None:
@@ -98,7 +53,8 @@ async def serve(
             ("grpc.so_reuseport", 0),
         ]
     )
-    server.add_generic_rpc_handlers([data_service(database, settings)])
+    signals = Signals(settings)
+    server.add_generic_rpc_handlers([Handlers(database, signals, settings).generic_handler()])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -116,7 +72,8 @@ async def serve(
         loop.add_signal_handler(sig, stop.set)
     background = [
         asyncio.create_task(watch_health(database, health_servicer)),
-        asyncio.create_task(rescuer.run(database, settings.rescue_interval_seconds)),
+        asyncio.create_task(rescuer.run(database, signals, settings.rescue_interval_seconds)),
+        asyncio.create_task(signals.listen()),
     ]
     await stop.wait()
     log.info("stopping: finishing calls in flight (up to %.0f s)", settings.shutdown_grace_seconds)
@@ -125,5 +82,6 @@ async def serve(
     for job in background:
         job.cancel()
     await asyncio.gather(*background, return_exceptions=True)
+    await signals.close()
     await database.close()
     log.info("stopped")

@@ -6,6 +6,12 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+_ENV_NAMES = {
+    "database_url": ["DATABASE_URL"],
+    "redis_url": ["REDIS_ADDR", "REDIS_URL"],
+    "environment": ["ENVIRONMENT"],
+}
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -48,12 +54,29 @@ class Settings:
     shutdown_grace_seconds: float = 10.0
     """GENQ_SHUTDOWN_GRACE_SECONDS (10): on SIGTERM, time given to calls in flight."""
 
+    max_claim_wait_seconds: float = 30.0
+    """GENQ_MAX_CLAIM_WAIT_SECONDS (30): longest `wait` a ClaimNextTask may ask for."""
+
+    recheck_seconds: float = 1.0
+    """GENQ_RECHECK_SECONDS (1): a parked claim or event watch re-reads the database at least
+    this often, so a lost wake (another replica without Redis, a dropped message) costs at most
+    this much."""
+
+    redis_url: str | None = None
+    """REDIS_ADDR (alias REDIS_URL), e.g. redis://host:6379/0, the DB index in the path. Unset:
+    wakes stay within this process and events only in Postgres."""
+
+    environment: str = "dev"
+    """ENVIRONMENT (dev): namespace of the Redis keys, `{env}:common:task:wake` and
+    `{env}:common:task:{id}:events`; every service and worker of a deployment must agree."""
+
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
         env = dict(os.environ if env is None else env)
         values: dict[str, object] = {}
         for field in fields(cls):
-            name = "DATABASE_URL" if field.name == "database_url" else f"GENQ_{field.name.upper()}"
+            names = _ENV_NAMES.get(field.name, [f"GENQ_{field.name.upper()}"])
+            name = next((n for n in names if env.get(n)), names[0])
             raw = env.get(name)
             if raw is None or raw == "":
                 continue

@@ -5,6 +5,7 @@ isort:skip_file
 
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
+from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import message as _message
 from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
@@ -72,6 +73,38 @@ STALE_REASON_UNCLAIMABLE: StaleReason.ValueType  # 2
 STALE_REASON_ABANDONED: StaleReason.ValueType  # 3
 """queued or dispatched, never claimed, older than queued_max_age_seconds."""
 Global___StaleReason: _TypeAlias = StaleReason  # noqa: Y015
+
+class _TaskEventKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _TaskEventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TaskEventKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TASK_EVENT_KIND_UNSPECIFIED: _TaskEventKind.ValueType  # 0
+    TASK_EVENT_KIND_PROGRESS: _TaskEventKind.ValueType  # 1
+    TASK_EVENT_KIND_STREAMING_URL: _TaskEventKind.ValueType  # 2
+    TASK_EVENT_KIND_PARTIAL_OUTPUT: _TaskEventKind.ValueType  # 3
+    TASK_EVENT_KIND_REQUEUED: _TaskEventKind.ValueType  # 4
+    """Added by the service when FailTask requeues the task."""
+    TASK_EVENT_KIND_COMPLETED: _TaskEventKind.ValueType  # 5
+    """Terminal; added by the service in CompleteTask."""
+    TASK_EVENT_KIND_FAILED: _TaskEventKind.ValueType  # 6
+    """Terminal; added by the service when FailTask ends the task."""
+
+class TaskEventKind(_TaskEventKind, metaclass=_TaskEventKindEnumTypeWrapper):
+    """Mirrors the Postgres enum generation.task_event_kind."""
+
+TASK_EVENT_KIND_UNSPECIFIED: TaskEventKind.ValueType  # 0
+TASK_EVENT_KIND_PROGRESS: TaskEventKind.ValueType  # 1
+TASK_EVENT_KIND_STREAMING_URL: TaskEventKind.ValueType  # 2
+TASK_EVENT_KIND_PARTIAL_OUTPUT: TaskEventKind.ValueType  # 3
+TASK_EVENT_KIND_REQUEUED: TaskEventKind.ValueType  # 4
+"""Added by the service when FailTask requeues the task."""
+TASK_EVENT_KIND_COMPLETED: TaskEventKind.ValueType  # 5
+"""Terminal; added by the service in CompleteTask."""
+TASK_EVENT_KIND_FAILED: TaskEventKind.ValueType  # 6
+"""Terminal; added by the service when FailTask ends the task."""
+Global___TaskEventKind: _TypeAlias = TaskEventKind  # noqa: Y015
 
 @_typing.final
 class Task(_message.Message):
@@ -321,15 +354,23 @@ class ClaimNextTaskRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TOOL_ID_FIELD_NUMBER: _builtins.int
+    WAIT_FIELD_NUMBER: _builtins.int
     tool_id: _builtins.str
+    @_builtins.property
+    def wait(self) -> _duration_pb2.Duration:
+        """How long to wait in the service for a task when none is ready; unset or 0 answers at once.
+        At most GENQ_MAX_CLAIM_WAIT_SECONDS (30 s).
+        """
+
     def __init__(
         self,
         *,
         tool_id: _builtins.str = ...,
+        wait: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["wait", b"wait"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["tool_id", b"tool_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tool_id", b"tool_id", "wait", b"wait"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -618,3 +659,255 @@ class GetTaskResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetTaskResponse: _TypeAlias = GetTaskResponse  # noqa: Y015
+
+@_typing.final
+class TaskEvent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    SEQUENCE_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    CREATED_AT_FIELD_NUMBER: _builtins.int
+    task_id: _builtins.str
+    sequence: _builtins.int
+    """Increases along a task's stream; resume a watch after the last one seen."""
+    kind: Global___TaskEventKind.ValueType
+    @_builtins.property
+    def data(self) -> _struct_pb2.Struct:
+        """progress: {"progress": 0.0-1.0, "message": ...}; streaming_url: {"url": ...};
+        partial_output: the tool's own; requeued and failed: {"error": ..., "retry_count": n}.
+        """
+
+    @_builtins.property
+    def created_at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        task_id: _builtins.str = ...,
+        sequence: _builtins.int = ...,
+        kind: Global___TaskEventKind.ValueType = ...,
+        data: _struct_pb2.Struct | None = ...,
+        created_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "data", b"data"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "data", b"data", "kind", b"kind", "sequence", b"sequence", "task_id", b"task_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TaskEvent: _TypeAlias = TaskEvent  # noqa: Y015
+
+@_typing.final
+class PublishTaskEventRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    LEASE_TOKEN_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    task_id: _builtins.str
+    lease_token: _builtins.str
+    kind: Global___TaskEventKind.ValueType
+    """PROGRESS, STREAMING_URL or PARTIAL_OUTPUT; the others belong to the service."""
+    @_builtins.property
+    def data(self) -> _struct_pb2.Struct: ...
+    def __init__(
+        self,
+        *,
+        task_id: _builtins.str = ...,
+        lease_token: _builtins.str = ...,
+        kind: Global___TaskEventKind.ValueType = ...,
+        data: _struct_pb2.Struct | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["data", b"data"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "kind", b"kind", "lease_token", b"lease_token", "task_id", b"task_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PublishTaskEventRequest: _TypeAlias = PublishTaskEventRequest  # noqa: Y015
+
+@_typing.final
+class PublishTaskEventResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def event(self) -> Global___TaskEvent: ...
+    def __init__(
+        self,
+        *,
+        event: Global___TaskEvent | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PublishTaskEventResponse: _TypeAlias = PublishTaskEventResponse  # noqa: Y015
+
+@_typing.final
+class WatchTaskEventsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    AFTER_SEQUENCE_FIELD_NUMBER: _builtins.int
+    task_id: _builtins.str
+    after_sequence: _builtins.int
+    """Replay starts after this sequence; 0 replays the whole stream."""
+    def __init__(
+        self,
+        *,
+        task_id: _builtins.str = ...,
+        after_sequence: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_sequence", b"after_sequence", "task_id", b"task_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchTaskEventsRequest: _TypeAlias = WatchTaskEventsRequest  # noqa: Y015
+
+@_typing.final
+class WatchTaskEventsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def event(self) -> Global___TaskEvent: ...
+    def __init__(
+        self,
+        *,
+        event: Global___TaskEvent | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchTaskEventsResponse: _TypeAlias = WatchTaskEventsResponse  # noqa: Y015
+
+@_typing.final
+class ListUnsettledTasksRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LIMIT_FIELD_NUMBER: _builtins.int
+    limit: _builtins.int
+    """0 means the default, 500; at most 10,000."""
+    def __init__(
+        self,
+        *,
+        limit: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["limit", b"limit"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListUnsettledTasksRequest: _TypeAlias = ListUnsettledTasksRequest  # noqa: Y015
+
+@_typing.final
+class ListUnsettledTasksResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASKS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___Task]: ...
+    def __init__(
+        self,
+        *,
+        tasks: _abc.Iterable[Global___Task] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tasks", b"tasks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListUnsettledTasksResponse: _TypeAlias = ListUnsettledTasksResponse  # noqa: Y015
+
+@_typing.final
+class SettleTaskRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    task_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        task_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["task_id", b"task_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SettleTaskRequest: _TypeAlias = SettleTaskRequest  # noqa: Y015
+
+@_typing.final
+class Settlement(_message.Message):
+    """The one settlement of a task's reservation, in user tokens."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    TASK_STATUS_FIELD_NUMBER: _builtins.int
+    RESERVED_TOKEN_AMOUNT_FIELD_NUMBER: _builtins.int
+    CHARGED_TOKEN_AMOUNT_FIELD_NUMBER: _builtins.int
+    REFUNDED_TOKEN_AMOUNT_FIELD_NUMBER: _builtins.int
+    SETTLED_AT_FIELD_NUMBER: _builtins.int
+    task_id: _builtins.str
+    task_status: Global___TaskStatus.ValueType
+    """The terminal status it settled: COMPLETED (charged) or FAILED (refunded)."""
+    reserved_token_amount: _builtins.int
+    charged_token_amount: _builtins.int
+    refunded_token_amount: _builtins.int
+    @_builtins.property
+    def settled_at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        task_id: _builtins.str = ...,
+        task_status: Global___TaskStatus.ValueType = ...,
+        reserved_token_amount: _builtins.int = ...,
+        charged_token_amount: _builtins.int = ...,
+        refunded_token_amount: _builtins.int = ...,
+        settled_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["settled_at", b"settled_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["charged_token_amount", b"charged_token_amount", "refunded_token_amount", b"refunded_token_amount", "reserved_token_amount", b"reserved_token_amount", "settled_at", b"settled_at", "task_id", b"task_id", "task_status", b"task_status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Settlement: _TypeAlias = Settlement  # noqa: Y015
+
+@_typing.final
+class SettleTaskResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SETTLEMENT_FIELD_NUMBER: _builtins.int
+    SETTLED_NOW_FIELD_NUMBER: _builtins.int
+    settled_now: _builtins.bool
+    """True for the one call that made the settlement; false when it already existed."""
+    @_builtins.property
+    def settlement(self) -> Global___Settlement: ...
+    def __init__(
+        self,
+        *,
+        settlement: Global___Settlement | None = ...,
+        settled_now: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["settlement", b"settlement"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["settled_now", b"settled_now", "settlement", b"settlement"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SettleTaskResponse: _TypeAlias = SettleTaskResponse  # noqa: Y015

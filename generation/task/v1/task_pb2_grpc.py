@@ -79,6 +79,26 @@ class GenerationDataServiceStub:
                 request_serializer=generation_dot_task_dot_v1_dot_task__pb2.GetTaskRequest.SerializeToString,
                 response_deserializer=generation_dot_task_dot_v1_dot_task__pb2.GetTaskResponse.FromString,
                 _registered_method=True)
+        self.PublishTaskEvent = channel.unary_unary(
+                '/generation.task.v1.GenerationDataService/PublishTaskEvent',
+                request_serializer=generation_dot_task_dot_v1_dot_task__pb2.PublishTaskEventRequest.SerializeToString,
+                response_deserializer=generation_dot_task_dot_v1_dot_task__pb2.PublishTaskEventResponse.FromString,
+                _registered_method=True)
+        self.WatchTaskEvents = channel.unary_stream(
+                '/generation.task.v1.GenerationDataService/WatchTaskEvents',
+                request_serializer=generation_dot_task_dot_v1_dot_task__pb2.WatchTaskEventsRequest.SerializeToString,
+                response_deserializer=generation_dot_task_dot_v1_dot_task__pb2.WatchTaskEventsResponse.FromString,
+                _registered_method=True)
+        self.ListUnsettledTasks = channel.unary_unary(
+                '/generation.task.v1.GenerationDataService/ListUnsettledTasks',
+                request_serializer=generation_dot_task_dot_v1_dot_task__pb2.ListUnsettledTasksRequest.SerializeToString,
+                response_deserializer=generation_dot_task_dot_v1_dot_task__pb2.ListUnsettledTasksResponse.FromString,
+                _registered_method=True)
+        self.SettleTask = channel.unary_unary(
+                '/generation.task.v1.GenerationDataService/SettleTask',
+                request_serializer=generation_dot_task_dot_v1_dot_task__pb2.SettleTaskRequest.SerializeToString,
+                response_deserializer=generation_dot_task_dot_v1_dot_task__pb2.SettleTaskResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationDataServiceServicer:
@@ -105,6 +125,9 @@ class GenerationDataServiceServicer:
 
     def ClaimNextTask(self, request, context):
         """Claims the next task of a tool: one UPDATE whose target is picked by a locked sub-select.
+        With `wait`, a claim that finds nothing parks in the service until a task for the tool is
+        committed (woken in-process, or through Redis from other replicas), re-checking at least
+        every GENQ_CLAIM_RECHECK_SECONDS, and returns empty when the wait runs out.
         Order: reclaimed zombies first, then priority (higher first), then FIFO. A zombie reclaim
         costs one retry; a fresh claim does not. Rows whose retries are used up are never claimed.
         The partial index tasks_claim_idx serves the sub-select as an index-ordered top-1 whatever
@@ -123,7 +146,8 @@ class GenerationDataServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CompleteTask(self, request, context):
-        """Marks a held task completed with its output and the usage reported for settlement.
+        """Marks a held task completed with its output and the usage reported for settlement, and
+        appends the terminal `completed` event to the task's event stream in the same statement.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -134,7 +158,8 @@ class GenerationDataServiceServicer:
         are used up; without it the task is failed at once. A caller holding the lease presents its
         token; the reaper presents none, and then the task must be stale at this moment (judged in
         this statement by generation.stale_reason), so a forced fail can never kill a live task;
-        a refused forced fail is FAILED_PRECONDITION with reason TASK_NOT_STALE.
+        a refused forced fail is FAILED_PRECONDITION with reason TASK_NOT_STALE. Appends a
+        `failed` (terminal) or `requeued` event to the task's event stream in the same statement.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -149,6 +174,38 @@ class GenerationDataServiceServicer:
 
     def GetTask(self, request, context):
         """Reads one task.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PublishTaskEvent(self, request, context):
+        """Appends a progress, streaming-URL or partial-output event to a task the caller holds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchTaskEvents(self, request, context):
+        """Replays a task's events from the start (or after `after_sequence`) and follows them until
+        the terminal one (completed or failed). The SQL reads one page; the service repeats it,
+        parking between pages until this process appends an event or a short re-check comes due.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListUnsettledTasks(self, request, context):
+        """Terminal tasks holding a reservation that no settlement has settled yet, oldest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SettleTask(self, request, context):
+        """Settles a terminal task's reservation exactly once: completed charges the reported usage (at
+        most the reservation) and refunds the rest; failed refunds it all. The settlements primary
+        key makes a second settlement, however concurrent, a no-op; `settled_now` tells who won.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -196,6 +253,26 @@ def add_GenerationDataServiceServicer_to_server(servicer, server):
                     servicer.GetTask,
                     request_deserializer=generation_dot_task_dot_v1_dot_task__pb2.GetTaskRequest.FromString,
                     response_serializer=generation_dot_task_dot_v1_dot_task__pb2.GetTaskResponse.SerializeToString,
+            ),
+            'PublishTaskEvent': grpc.unary_unary_rpc_method_handler(
+                    servicer.PublishTaskEvent,
+                    request_deserializer=generation_dot_task_dot_v1_dot_task__pb2.PublishTaskEventRequest.FromString,
+                    response_serializer=generation_dot_task_dot_v1_dot_task__pb2.PublishTaskEventResponse.SerializeToString,
+            ),
+            'WatchTaskEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchTaskEvents,
+                    request_deserializer=generation_dot_task_dot_v1_dot_task__pb2.WatchTaskEventsRequest.FromString,
+                    response_serializer=generation_dot_task_dot_v1_dot_task__pb2.WatchTaskEventsResponse.SerializeToString,
+            ),
+            'ListUnsettledTasks': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListUnsettledTasks,
+                    request_deserializer=generation_dot_task_dot_v1_dot_task__pb2.ListUnsettledTasksRequest.FromString,
+                    response_serializer=generation_dot_task_dot_v1_dot_task__pb2.ListUnsettledTasksResponse.SerializeToString,
+            ),
+            'SettleTask': grpc.unary_unary_rpc_method_handler(
+                    servicer.SettleTask,
+                    request_deserializer=generation_dot_task_dot_v1_dot_task__pb2.SettleTaskRequest.FromString,
+                    response_serializer=generation_dot_task_dot_v1_dot_task__pb2.SettleTaskResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -419,6 +496,114 @@ class GenerationDataService:
             '/generation.task.v1.GenerationDataService/GetTask',
             generation_dot_task_dot_v1_dot_task__pb2.GetTaskRequest.SerializeToString,
             generation_dot_task_dot_v1_dot_task__pb2.GetTaskResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishTaskEvent(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/generation.task.v1.GenerationDataService/PublishTaskEvent',
+            generation_dot_task_dot_v1_dot_task__pb2.PublishTaskEventRequest.SerializeToString,
+            generation_dot_task_dot_v1_dot_task__pb2.PublishTaskEventResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchTaskEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/generation.task.v1.GenerationDataService/WatchTaskEvents',
+            generation_dot_task_dot_v1_dot_task__pb2.WatchTaskEventsRequest.SerializeToString,
+            generation_dot_task_dot_v1_dot_task__pb2.WatchTaskEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListUnsettledTasks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/generation.task.v1.GenerationDataService/ListUnsettledTasks',
+            generation_dot_task_dot_v1_dot_task__pb2.ListUnsettledTasksRequest.SerializeToString,
+            generation_dot_task_dot_v1_dot_task__pb2.ListUnsettledTasksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SettleTask(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/generation.task.v1.GenerationDataService/SettleTask',
+            generation_dot_task_dot_v1_dot_task__pb2.SettleTaskRequest.SerializeToString,
+            generation_dot_task_dot_v1_dot_task__pb2.SettleTaskResponse.FromString,
             options,
             channel_credentials,
             insecure,

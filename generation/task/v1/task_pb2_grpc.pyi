@@ -44,6 +44,9 @@ class GenerationDataServiceStub:
     """Enqueues one task: a single INSERT. An unknown tool_id is NOT_FOUND."""
     ClaimNextTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.ClaimNextTaskRequest, _task_pb2.ClaimNextTaskResponse]
     """Claims the next task of a tool: one UPDATE whose target is picked by a locked sub-select.
+    With `wait`, a claim that finds nothing parks in the service until a task for the tool is
+    committed (woken in-process, or through Redis from other replicas), re-checking at least
+    every GENQ_CLAIM_RECHECK_SECONDS, and returns empty when the wait runs out.
     Order: reclaimed zombies first, then priority (higher first), then FIFO. A zombie reclaim
     costs one retry; a fresh claim does not. Rows whose retries are used up are never claimed.
     The partial index tasks_claim_idx serves the sub-select as an index-ordered top-1 whatever
@@ -54,18 +57,35 @@ class GenerationDataServiceStub:
     ABORTED with ErrorInfo.reason LEASE_LOST. Touches no indexed column, so the update is HOT.
     """
     CompleteTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.CompleteTaskRequest, _task_pb2.CompleteTaskResponse]
-    """Marks a held task completed with its output and the usage reported for settlement."""
+    """Marks a held task completed with its output and the usage reported for settlement, and
+    appends the terminal `completed` event to the task's event stream in the same statement.
+    """
     FailTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.FailTaskRequest, _task_pb2.FailTaskResponse]
     """Fails a task. With increment_retry it is requeued while retries remain and failed once they
     are used up; without it the task is failed at once. A caller holding the lease presents its
     token; the reaper presents none, and then the task must be stale at this moment (judged in
     this statement by generation.stale_reason), so a forced fail can never kill a live task;
-    a refused forced fail is FAILED_PRECONDITION with reason TASK_NOT_STALE.
+    a refused forced fail is FAILED_PRECONDITION with reason TASK_NOT_STALE. Appends a
+    `failed` (terminal) or `requeued` event to the task's event stream in the same statement.
     """
     ListStaleTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.ListStaleTasksRequest, _task_pb2.ListStaleTasksResponse]
     """The watchdog's list: tasks that can never finish on their own (see StaleReason)."""
     GetTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.GetTaskRequest, _task_pb2.GetTaskResponse]
     """Reads one task."""
+    PublishTaskEvent: _grpc.UnaryUnaryMultiCallable[_task_pb2.PublishTaskEventRequest, _task_pb2.PublishTaskEventResponse]
+    """Appends a progress, streaming-URL or partial-output event to a task the caller holds."""
+    WatchTaskEvents: _grpc.UnaryStreamMultiCallable[_task_pb2.WatchTaskEventsRequest, _task_pb2.WatchTaskEventsResponse]
+    """Replays a task's events from the start (or after `after_sequence`) and follows them until
+    the terminal one (completed or failed). The SQL reads one page; the service repeats it,
+    parking between pages until this process appends an event or a short re-check comes due.
+    """
+    ListUnsettledTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.ListUnsettledTasksRequest, _task_pb2.ListUnsettledTasksResponse]
+    """Terminal tasks holding a reservation that no settlement has settled yet, oldest first."""
+    SettleTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.SettleTaskRequest, _task_pb2.SettleTaskResponse]
+    """Settles a terminal task's reservation exactly once: completed charges the reported usage (at
+    most the reservation) and refunds the rest; failed refunds it all. The settlements primary
+    key makes a second settlement, however concurrent, a no-op; `settled_now` tells who won.
+    """
 
 @_typing.type_check_only
 class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
@@ -83,6 +103,9 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     """Enqueues one task: a single INSERT. An unknown tool_id is NOT_FOUND."""
     ClaimNextTask: _aio.UnaryUnaryMultiCallable[_task_pb2.ClaimNextTaskRequest, _task_pb2.ClaimNextTaskResponse]  # type: ignore[assignment]
     """Claims the next task of a tool: one UPDATE whose target is picked by a locked sub-select.
+    With `wait`, a claim that finds nothing parks in the service until a task for the tool is
+    committed (woken in-process, or through Redis from other replicas), re-checking at least
+    every GENQ_CLAIM_RECHECK_SECONDS, and returns empty when the wait runs out.
     Order: reclaimed zombies first, then priority (higher first), then FIFO. A zombie reclaim
     costs one retry; a fresh claim does not. Rows whose retries are used up are never claimed.
     The partial index tasks_claim_idx serves the sub-select as an index-ordered top-1 whatever
@@ -93,18 +116,35 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     ABORTED with ErrorInfo.reason LEASE_LOST. Touches no indexed column, so the update is HOT.
     """
     CompleteTask: _aio.UnaryUnaryMultiCallable[_task_pb2.CompleteTaskRequest, _task_pb2.CompleteTaskResponse]  # type: ignore[assignment]
-    """Marks a held task completed with its output and the usage reported for settlement."""
+    """Marks a held task completed with its output and the usage reported for settlement, and
+    appends the terminal `completed` event to the task's event stream in the same statement.
+    """
     FailTask: _aio.UnaryUnaryMultiCallable[_task_pb2.FailTaskRequest, _task_pb2.FailTaskResponse]  # type: ignore[assignment]
     """Fails a task. With increment_retry it is requeued while retries remain and failed once they
     are used up; without it the task is failed at once. A caller holding the lease presents its
     token; the reaper presents none, and then the task must be stale at this moment (judged in
     this statement by generation.stale_reason), so a forced fail can never kill a live task;
-    a refused forced fail is FAILED_PRECONDITION with reason TASK_NOT_STALE.
+    a refused forced fail is FAILED_PRECONDITION with reason TASK_NOT_STALE. Appends a
+    `failed` (terminal) or `requeued` event to the task's event stream in the same statement.
     """
     ListStaleTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.ListStaleTasksRequest, _task_pb2.ListStaleTasksResponse]  # type: ignore[assignment]
     """The watchdog's list: tasks that can never finish on their own (see StaleReason)."""
     GetTask: _aio.UnaryUnaryMultiCallable[_task_pb2.GetTaskRequest, _task_pb2.GetTaskResponse]  # type: ignore[assignment]
     """Reads one task."""
+    PublishTaskEvent: _aio.UnaryUnaryMultiCallable[_task_pb2.PublishTaskEventRequest, _task_pb2.PublishTaskEventResponse]  # type: ignore[assignment]
+    """Appends a progress, streaming-URL or partial-output event to a task the caller holds."""
+    WatchTaskEvents: _aio.UnaryStreamMultiCallable[_task_pb2.WatchTaskEventsRequest, _task_pb2.WatchTaskEventsResponse]  # type: ignore[assignment]
+    """Replays a task's events from the start (or after `after_sequence`) and follows them until
+    the terminal one (completed or failed). The SQL reads one page; the service repeats it,
+    parking between pages until this process appends an event or a short re-check comes due.
+    """
+    ListUnsettledTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.ListUnsettledTasksRequest, _task_pb2.ListUnsettledTasksResponse]  # type: ignore[assignment]
+    """Terminal tasks holding a reservation that no settlement has settled yet, oldest first."""
+    SettleTask: _aio.UnaryUnaryMultiCallable[_task_pb2.SettleTaskRequest, _task_pb2.SettleTaskResponse]  # type: ignore[assignment]
+    """Settles a terminal task's reservation exactly once: completed charges the reported usage (at
+    most the reservation) and refunds the rest; failed refunds it all. The settlements primary
+    key makes a second settlement, however concurrent, a no-op; `settled_now` tells who won.
+    """
 
 class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
     """The data plane of the generation task queue. It is the only holder of the Postgres
@@ -137,6 +177,9 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.ClaimNextTaskResponse, _abc.Awaitable[_task_pb2.ClaimNextTaskResponse]]:
         """Claims the next task of a tool: one UPDATE whose target is picked by a locked sub-select.
+        With `wait`, a claim that finds nothing parks in the service until a task for the tool is
+        committed (woken in-process, or through Redis from other replicas), re-checking at least
+        every GENQ_CLAIM_RECHECK_SECONDS, and returns empty when the wait runs out.
         Order: reclaimed zombies first, then priority (higher first), then FIFO. A zombie reclaim
         costs one retry; a fresh claim does not. Rows whose retries are used up are never claimed.
         The partial index tasks_claim_idx serves the sub-select as an index-ordered top-1 whatever
@@ -159,7 +202,9 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _task_pb2.CompleteTaskRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.CompleteTaskResponse, _abc.Awaitable[_task_pb2.CompleteTaskResponse]]:
-        """Marks a held task completed with its output and the usage reported for settlement."""
+        """Marks a held task completed with its output and the usage reported for settlement, and
+        appends the terminal `completed` event to the task's event stream in the same statement.
+        """
 
     @_abc_1.abstractmethod
     def FailTask(
@@ -171,7 +216,8 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         are used up; without it the task is failed at once. A caller holding the lease presents its
         token; the reaper presents none, and then the task must be stale at this moment (judged in
         this statement by generation.stale_reason), so a forced fail can never kill a live task;
-        a refused forced fail is FAILED_PRECONDITION with reason TASK_NOT_STALE.
+        a refused forced fail is FAILED_PRECONDITION with reason TASK_NOT_STALE. Appends a
+        `failed` (terminal) or `requeued` event to the task's event stream in the same statement.
         """
 
     @_abc_1.abstractmethod
@@ -189,5 +235,43 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.GetTaskResponse, _abc.Awaitable[_task_pb2.GetTaskResponse]]:
         """Reads one task."""
+
+    @_abc_1.abstractmethod
+    def PublishTaskEvent(
+        self,
+        request: _task_pb2.PublishTaskEventRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_task_pb2.PublishTaskEventResponse, _abc.Awaitable[_task_pb2.PublishTaskEventResponse]]:
+        """Appends a progress, streaming-URL or partial-output event to a task the caller holds."""
+
+    @_abc_1.abstractmethod
+    def WatchTaskEvents(
+        self,
+        request: _task_pb2.WatchTaskEventsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_task_pb2.WatchTaskEventsResponse], _abc.AsyncIterator[_task_pb2.WatchTaskEventsResponse]]:
+        """Replays a task's events from the start (or after `after_sequence`) and follows them until
+        the terminal one (completed or failed). The SQL reads one page; the service repeats it,
+        parking between pages until this process appends an event or a short re-check comes due.
+        """
+
+    @_abc_1.abstractmethod
+    def ListUnsettledTasks(
+        self,
+        request: _task_pb2.ListUnsettledTasksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_task_pb2.ListUnsettledTasksResponse, _abc.Awaitable[_task_pb2.ListUnsettledTasksResponse]]:
+        """Terminal tasks holding a reservation that no settlement has settled yet, oldest first."""
+
+    @_abc_1.abstractmethod
+    def SettleTask(
+        self,
+        request: _task_pb2.SettleTaskRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_task_pb2.SettleTaskResponse, _abc.Awaitable[_task_pb2.SettleTaskResponse]]:
+        """Settles a terminal task's reservation exactly once: completed charges the reported usage (at
+        most the reservation) and refunds the rest; failed refunds it all. The settlements primary
+        key makes a second settlement, however concurrent, a no-op; `settled_now` tells who won.
+        """
 
 def add_GenerationDataServiceServicer_to_server(servicer: GenerationDataServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -36,6 +36,8 @@ CREATE TABLE generation.tasks (
     created_at timestamptz NOT NULL DEFAULT now(),
     started_at timestamptz,
     completed_at timestamptz,
+    -- Set once, by SettleTask, when the reservation of a terminal task is settled.
+    settled_at timestamptz,
     CONSTRAINT tasks_priority_range CHECK (priority BETWEEN -100 AND 100),
     CONSTRAINT tasks_max_retries_range CHECK (max_retries BETWEEN 0 AND 100),
     CONSTRAINT tasks_retry_count_nonnegative CHECK (retry_count >= 0),
@@ -68,6 +70,10 @@ CREATE INDEX tasks_in_flight_idx ON generation.tasks (tool_id) WHERE status = 'p
 -- Queued rows the watchdog may have to fail (never claimed for long, or retries used up).
 CREATE INDEX tasks_waiting_idx ON generation.tasks (created_at) WHERE status IN ('queued', 'dispatched');
 
+-- Terminal tasks whose reservation still waits for its settlement (the reconciler's sweep).
+CREATE INDEX tasks_unsettled_idx ON generation.tasks (completed_at)
+    WHERE status IN ('completed', 'failed') AND reserved_token_amount > 0 AND settled_at IS NULL;
+
 -- Why a live task can never finish on its own, or NULL. One definition for ListStaleTasks and
 -- for the reaper's forced FailTask, which re-judges the row in its own UPDATE.
 CREATE FUNCTION generation.stale_reason(
@@ -84,3 +90,34 @@ AS $$
              AND t.created_at < now() - queued_max_age THEN 'abandoned'
     END
 $$;
+
+-- A task's event stream: progress, streaming URL and partial output from the worker, then the
+-- terminal event the service adds in CompleteTask or FailTask.
+CREATE TYPE generation.task_event_kind AS ENUM (
+    'progress', 'streaming_url', 'partial_output', 'requeued', 'completed', 'failed'
+);
+
+CREATE TABLE generation.task_events (
+    task_id uuid NOT NULL REFERENCES generation.tasks (id) ON DELETE CASCADE,
+    sequence bigint GENERATED ALWAYS AS IDENTITY,
+    kind generation.task_event_kind NOT NULL,
+    data jsonb NOT NULL DEFAULT '{}',
+    created_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (task_id, sequence)
+);
+
+-- The one settlement of each reserved task: the primary key is what makes it exactly once.
+-- No foreign key: the money record outlives the purge of its task.
+CREATE TABLE generation.settlements (
+    task_id uuid PRIMARY KEY,
+    task_status generation.task_status NOT NULL,
+    reserved_token_amount bigint NOT NULL,
+    charged_token_amount bigint NOT NULL,
+    refunded_token_amount bigint NOT NULL,
+    settled_at timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT settlements_terminal CHECK (task_status IN ('completed', 'failed')),
+    CONSTRAINT settlements_amounts CHECK (
+        charged_token_amount >= 0 AND refunded_token_amount >= 0
+        AND charged_token_amount + refunded_token_amount = reserved_token_amount
+    )
+);

@@ -1,0 +1,154 @@
+"""The handlers: every RPC is parse -> validate -> its statement -> map the rows, and every failure
+leaves through one boundary as a gRPC status with an ErrorInfo.
+
+Two RPCs add a loop around their statement: a claim with `wait` re-runs it when woken, and
+WatchTaskEvents re-runs its page query until the terminal event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeAlias
+
+import grpc
+from google.protobuf import message_factory
+from google.protobuf.descriptor import MethodDescriptor
+from google.protobuf.message import DecodeError, Message
+
+from generation.task.v1 import task_pb2
+from service import messages
+from service.database import Database
+from service.errors import Internal, InvalidArgument, ServiceError, TaskNotFound, rpc_status_of
+from service.messages import Row
+from service.rpcs import BINDINGS, SERVICE, STATEMENTS, WATCH, Binding, Params
+from service.settings import Settings
+from service.signals import TERMINAL_EVENTS, Signals
+
+log = logging.getLogger(__name__)
+
+Context: TypeAlias = grpc.aio.ServicerContext  # untyped: grpc ships no stubs
+
+
+class Handlers:
+    def __init__(self, database: Database, signals: Signals, settings: Settings) -> None:
+        self.database = database
+        self.signals = signals
+        self.settings = settings
+
+    def generic_handler(self) -> grpc.GenericRpcHandler:
+        """GenerationDataService, each method bound to the statement in its `sql` option.
+
+        Requests arrive as bytes and are parsed in the handler, so a malformed one is
+        INVALID_ARGUMENT like any other bad input.
+        """
+        handlers: dict[str, grpc.RpcMethodHandler] = {}
+        for method in SERVICE.methods:
+            if method.server_streaming:
+                handlers[method.name] = grpc.unary_stream_rpc_method_handler(
+                    self.watch_events(method)
+                )
+            else:
+                handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                    self.unary(method, BINDINGS[method.name])
+                )
+        return grpc.method_handlers_generic_handler(SERVICE.full_name, handlers)
+
+    def unary(
+        self, method: MethodDescriptor, binding: Binding
+    ) -> Callable[[bytes, Context], Awaitable[bytes]]:
+        sql = STATEMENTS[method.name]
+        parse = _parser(method)
+
+        async def handle(payload: bytes, context: Context) -> bytes:
+            try:
+                request = parse(payload)
+                params = binding.bind(request, self.settings)
+                if binding.park is not None:
+                    tool, seconds = binding.park(request, params, self.settings)
+                    rows = await self._claim_waiting(sql, params, tool, seconds)
+                else:
+                    rows = await self.database.fetch(sql, params)
+                if binding.after is not None:
+                    binding.after(self.signals, rows)
+                return binding.respond(rows).SerializeToString()
+            except Exception as error:  # the one error boundary
+                await _abort(context, method, error)
+                raise AssertionError("unreachable: abort() raises") from error
+
+        return handle
+
+    async def _claim_waiting(
+        self, sql: str, params: Params, tool: str, seconds: float
+    ) -> list[Row]:
+        """Runs the claim; when it finds nothing, parks until woken or re-check, up to `seconds`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        wake = self.signals.tools
+        while True:
+            waiter = wake.register(tool)  # before the read: a wake during it is not lost
+            try:
+                rows = await self.database.fetch(sql, params)
+                remaining = deadline - loop.time()
+                if rows or remaining <= 0:
+                    return rows
+                await wake.wait(waiter, min(remaining, self.settings.recheck_seconds))
+            finally:
+                wake.discard(tool, waiter)
+
+    def watch_events(
+        self, method: MethodDescriptor
+    ) -> Callable[[bytes, Context], AsyncIterator[bytes]]:
+        sql = STATEMENTS[method.name]
+        parse = _parser(method)
+
+        async def handle(payload: bytes, context: Context) -> AsyncIterator[bytes]:
+            try:
+                params = WATCH(parse(payload), self.settings)  # type: ignore[arg-type]
+                async for event in self._follow(sql, params):
+                    yield task_pb2.WatchTaskEventsResponse(event=event).SerializeToString()
+            except Exception as error:  # the one error boundary
+                await _abort(context, method, error)
+
+        return handle
+
+    async def _follow(self, sql: str, params: Params) -> AsyncIterator[task_pb2.TaskEvent]:
+        task_id = str(params["task_id"])
+        wake = self.signals.tasks
+        while True:
+            waiter = wake.register(task_id)
+            try:
+                rows = await self.database.fetch(sql, params)
+                if not rows[0]["found"]:
+                    raise TaskNotFound("task not found")
+                events = [row["event"] for row in rows if row["event"] is not None]
+                for event in events:
+                    yield messages.task_event(event)
+                    params = {**params, "after_sequence": event["sequence"]}
+                    if event["kind"] in TERMINAL_EVENTS:
+                        return
+                if not events:
+                    await wake.wait(waiter, self.settings.recheck_seconds)
+            finally:
+                wake.discard(task_id, waiter)
+
+
+def _parser(method: MethodDescriptor) -> Callable[[bytes], Message]:
+    request_class = message_factory.GetMessageClass(method.input_type)
+
+    def parse(payload: bytes) -> Message:
+        try:
+            return request_class.FromString(payload)
+        except DecodeError:
+            raise InvalidArgument("the request is not a valid protobuf message") from None
+
+    return parse
+
+
+async def _abort(context: Context, method: MethodDescriptor, error: Exception) -> None:
+    if not isinstance(error, ServiceError):
+        log.error("unexpected error in %s", method.name, exc_info=error)
+        error = Internal("internal error")
+    status = rpc_status_of(error)
+    await context.abort(status.code, status.details, status.trailing_metadata)
