@@ -40,11 +40,11 @@ class LeaseLost(GenqError):
 
 
 def from_rpc_error(error: grpc.RpcError) -> GenqError:
-    """The typed error behind a failed call."""
-    code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
-    message = error.details() if isinstance(error, grpc.Call) else str(error)
+    """The typed error behind a failed call (sync or asyncio)."""
+    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+    message = error.details() if hasattr(error, "details") else str(error)
     reason = None
-    status = rpc_status.from_call(error) if isinstance(error, grpc.Call) else None
+    status = rpc_status.from_call(error) if hasattr(error, "trailing_metadata") else None
     for detail in status.details if status else []:
         info = error_details_pb2.ErrorInfo()
         if detail.Unpack(info) and info.domain == DOMAIN and info.reason in Reason.__members__:
