@@ -158,6 +158,13 @@ def bind_complete_task(request: task_pb2.CompleteTaskRequest, settings: Settings
     }
 
 
+def bind_release_task(request: task_pb2.ReleaseTaskRequest, settings: Settings) -> Params:
+    return {
+        "task_id": validation.required_uuid("task_id", request.task_id),
+        "lease_token": validation.required_uuid("lease_token", request.lease_token),
+    }
+
+
 def bind_fail_task(request: task_pb2.FailTaskRequest, settings: Settings) -> Params:
     lease_token = validation.optional_uuid("lease_token", request.lease_token)
     if lease_token is None and request.increment_retry:
@@ -252,7 +259,8 @@ def signal_queued(signals: Signals, rows: list[Row]) -> None:
             signals.task_queued(str(row["tool_id"]))
 
 
-def signal_fail(signals: Signals, rows: list[Row]) -> None:
+def signal_requeue(signals: Signals, rows: list[Row]) -> None:
+    """FailTask and ReleaseTask: a requeued task wakes claimers; every outcome is an event."""
     signal_queued(signals, rows)
     signal_event(signals, rows)
 
@@ -311,7 +319,12 @@ BINDINGS: dict[str, Binding] = {
     "FailTask": Binding(
         bind_fail_task,
         lambda rows: task_pb2.FailTaskResponse(task=messages.task(_fenced(rows))),
-        after=signal_fail,
+        after=signal_requeue,
+    ),
+    "ReleaseTask": Binding(
+        bind_release_task,
+        lambda rows: task_pb2.ReleaseTaskResponse(task=messages.task(_fenced(rows))),
+        after=signal_requeue,
     ),
     "ListStaleTasks": Binding(bind_list_stale_tasks, respond_stale),
     "GetTask": Binding(bind_get_task, respond_get_task),

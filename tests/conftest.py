@@ -189,3 +189,27 @@ def tool_id(stub: task_pb2_grpc.GenerationDataServiceStub) -> str:
     """A tool of this test's own, so tests never see each other's tasks."""
     name = f"tool-{uuid.uuid4().hex[:12]}"
     return str(stub.UpsertTool(task_pb2.UpsertToolRequest(name=name)).tool.id)
+
+
+@pytest.fixture(scope="session")
+def redis_environment() -> str:
+    """An ENVIRONMENT of this session's own, so its Redis keys and channels are its alone."""
+    return f"test{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="session")
+def redis_service(
+    database_url: str, redis_environment: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServiceProcess]:
+    """The service with Redis: wakes cross replicas, events are mirrored into Redis Streams."""
+    process = ServiceProcess(
+        database_url,
+        tmp_path_factory.mktemp("redis_service") / "serve.log",
+        REDIS_ADDR=REDIS_URL,
+        ENVIRONMENT=redis_environment,
+    )
+    yield process
+    process.stop()
+    client = redis.Redis.from_url(REDIS_URL)
+    for key in client.scan_iter(f"{redis_environment}:*"):
+        client.delete(key)

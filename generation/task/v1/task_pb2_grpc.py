@@ -69,6 +69,11 @@ class GenerationDataServiceStub:
                 request_serializer=generation_dot_task_dot_v1_dot_task__pb2.FailTaskRequest.SerializeToString,
                 response_deserializer=generation_dot_task_dot_v1_dot_task__pb2.FailTaskResponse.FromString,
                 _registered_method=True)
+        self.ReleaseTask = channel.unary_unary(
+                '/generation.task.v1.GenerationDataService/ReleaseTask',
+                request_serializer=generation_dot_task_dot_v1_dot_task__pb2.ReleaseTaskRequest.SerializeToString,
+                response_deserializer=generation_dot_task_dot_v1_dot_task__pb2.ReleaseTaskResponse.FromString,
+                _registered_method=True)
         self.ListStaleTasks = channel.unary_unary(
                 '/generation.task.v1.GenerationDataService/ListStaleTasks',
                 request_serializer=generation_dot_task_dot_v1_dot_task__pb2.ListStaleTasksRequest.SerializeToString,
@@ -165,6 +170,14 @@ class GenerationDataServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseTask(self, request, context):
+        """Hands a held task back to the queue without using an attempt: a worker that stops on purpose
+        (SIGTERM drain) releases what it could not finish. Appends a `requeued` event.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListStaleTasks(self, request, context):
         """The watchdog's list: tasks that can never finish on their own (see StaleReason).
         """
@@ -243,6 +256,11 @@ def add_GenerationDataServiceServicer_to_server(servicer, server):
                     servicer.FailTask,
                     request_deserializer=generation_dot_task_dot_v1_dot_task__pb2.FailTaskRequest.FromString,
                     response_serializer=generation_dot_task_dot_v1_dot_task__pb2.FailTaskResponse.SerializeToString,
+            ),
+            'ReleaseTask': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseTask,
+                    request_deserializer=generation_dot_task_dot_v1_dot_task__pb2.ReleaseTaskRequest.FromString,
+                    response_serializer=generation_dot_task_dot_v1_dot_task__pb2.ReleaseTaskResponse.SerializeToString,
             ),
             'ListStaleTasks': grpc.unary_unary_rpc_method_handler(
                     servicer.ListStaleTasks,
@@ -442,6 +460,33 @@ class GenerationDataService:
             '/generation.task.v1.GenerationDataService/FailTask',
             generation_dot_task_dot_v1_dot_task__pb2.FailTaskRequest.SerializeToString,
             generation_dot_task_dot_v1_dot_task__pb2.FailTaskResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseTask(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/generation.task.v1.GenerationDataService/ReleaseTask',
+            generation_dot_task_dot_v1_dot_task__pb2.ReleaseTaskRequest.SerializeToString,
+            generation_dot_task_dot_v1_dot_task__pb2.ReleaseTaskResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -68,6 +68,10 @@ class GenerationDataServiceStub:
     a refused forced fail is FAILED_PRECONDITION with reason TASK_NOT_STALE. Appends a
     `failed` (terminal) or `requeued` event to the task's event stream in the same statement.
     """
+    ReleaseTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.ReleaseTaskRequest, _task_pb2.ReleaseTaskResponse]
+    """Hands a held task back to the queue without using an attempt: a worker that stops on purpose
+    (SIGTERM drain) releases what it could not finish. Appends a `requeued` event.
+    """
     ListStaleTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.ListStaleTasksRequest, _task_pb2.ListStaleTasksResponse]
     """The watchdog's list: tasks that can never finish on their own (see StaleReason)."""
     GetTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.GetTaskRequest, _task_pb2.GetTaskResponse]
@@ -126,6 +130,10 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     this statement by generation.stale_reason), so a forced fail can never kill a live task;
     a refused forced fail is FAILED_PRECONDITION with reason TASK_NOT_STALE. Appends a
     `failed` (terminal) or `requeued` event to the task's event stream in the same statement.
+    """
+    ReleaseTask: _aio.UnaryUnaryMultiCallable[_task_pb2.ReleaseTaskRequest, _task_pb2.ReleaseTaskResponse]  # type: ignore[assignment]
+    """Hands a held task back to the queue without using an attempt: a worker that stops on purpose
+    (SIGTERM drain) releases what it could not finish. Appends a `requeued` event.
     """
     ListStaleTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.ListStaleTasksRequest, _task_pb2.ListStaleTasksResponse]  # type: ignore[assignment]
     """The watchdog's list: tasks that can never finish on their own (see StaleReason)."""
@@ -218,6 +226,16 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         this statement by generation.stale_reason), so a forced fail can never kill a live task;
         a refused forced fail is FAILED_PRECONDITION with reason TASK_NOT_STALE. Appends a
         `failed` (terminal) or `requeued` event to the task's event stream in the same statement.
+        """
+
+    @_abc_1.abstractmethod
+    def ReleaseTask(
+        self,
+        request: _task_pb2.ReleaseTaskRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_task_pb2.ReleaseTaskResponse, _abc.Awaitable[_task_pb2.ReleaseTaskResponse]]:
+        """Hands a held task back to the queue without using an attempt: a worker that stops on purpose
+        (SIGTERM drain) releases what it could not finish. Appends a `requeued` event.
         """
 
     @_abc_1.abstractmethod
