@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import grpc
 from google.protobuf import message_factory
 from google.protobuf.descriptor import MethodDescriptor
 from google.protobuf.message import DecodeError, Message
+from opentelemetry import propagate, trace
 
 from generation.task.v1 import task_pb2
 from service import messages
@@ -27,6 +28,7 @@ from service.settings import Settings
 from service.signals import TERMINAL_EVENTS, Signals
 
 log = logging.getLogger(__name__)
+_tracer = trace.get_tracer("genq.service")
 
 Context: TypeAlias = grpc.aio.ServicerContext  # untyped: grpc ships no stubs
 
@@ -62,6 +64,10 @@ class Handlers:
         parse = _parser(method)
 
         async def handle(payload: bytes, context: Context) -> bytes:
+            with _server_span(method, context):
+                return await run(payload, context)
+
+        async def run(payload: bytes, context: Context) -> bytes:
             try:
                 request = parse(payload)
                 params = binding.bind(request, self.settings)
@@ -132,6 +138,21 @@ class Handlers:
                     await wake.wait(waiter, self.settings.recheck_seconds)
             finally:
                 wake.discard(task_id, waiter)
+
+
+def _server_span(method: MethodDescriptor, context: Context) -> Any:
+    """A server span for the call, child of the caller's `traceparent` header when it sent one.
+
+    Spans go to the global OpenTelemetry tracer provider: a no-op unless one is configured
+    (e.g. by running under `opentelemetry-instrument`).
+    """
+    parent = propagate.extract(dict(context.invocation_metadata() or ()))
+    return _tracer.start_as_current_span(
+        f"{SERVICE.full_name}/{method.name}",
+        context=parent,
+        kind=trace.SpanKind.SERVER,
+        attributes={"rpc.system": "grpc", "rpc.method": method.name},
+    )
 
 
 def _parser(method: MethodDescriptor) -> Callable[[bytes], Message]:
