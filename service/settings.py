@@ -75,7 +75,7 @@ class Settings:
         env = dict(os.environ if env is None else env)
         values: dict[str, object] = {}
         for field in fields(cls):
-            names = _ENV_NAMES.get(field.name, [f"GENQ_{field.name.upper()}"])
+            names = env_names(field.name)
             name = next((n for n in names if env.get(n)), names[0])
             raw = env.get(name)
             if raw is None or raw == "":
@@ -95,3 +95,8 @@ class Settings:
             except ValueError as exc:
                 raise SystemExit(f"{name}={raw!r} is not a valid {type(default).__name__}") from exc
         return cls(**values)  # type: ignore[arg-type]
+
+
+def env_names(field_name: str) -> list[str]:
+    """The environment variables a setting is read from, preferred first."""
+    return _ENV_NAMES.get(field_name, [f"GENQ_{field_name.upper()}"])
