@@ -26,7 +26,7 @@ test: .venv/.installed ## Run the tests (needs Postgres on 127.0.0.1:5432 and Re
 lint: .venv/.installed ## ruff, mypy, stub drift and buf lint
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
-	.venv/bin/mypy service workers_sdk tests bench
+	.venv/bin/mypy service workers_sdk tests bench examples proto/build.py
 	$(PY) proto/build.py check
 	.tools/node_modules/.bin/buf lint
 

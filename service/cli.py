@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import signal
 import sys
 
-from service import migrations
 from service.settings import Settings
 
 
@@ -20,7 +21,7 @@ def _database_url(settings: Settings) -> str:
 
 
 def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
-    from service import server
+    from service import migrations, server
 
     url = _database_url(settings)
     migrations.upgrade(url)
@@ -33,12 +34,72 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
+    from service import migrations
+
     url = _database_url(settings)
     if args.downgrade:
         migrations.downgrade(url, args.revision or "base")
     else:
         migrations.upgrade(url, args.revision or "head")
     return 0
+
+
+def _env_number(name: str, default: float) -> float:
+    raw = os.environ.get(name, "")
+    try:
+        return float(raw) if raw else default
+    except ValueError:
+        raise SystemExit(f"{name}={raw!r} is not a number") from None
+
+
+def cmd_reconcile(args: argparse.Namespace, settings: Settings) -> int:
+    # A gRPC client of the service like any gateway: no database, so none of `settings` is used.
+    target = args.target or os.environ.get("GENQ_ADDR") or "localhost:50051"
+    interval = _env_number("GENQ_RECONCILE_INTERVAL_SECONDS", 60)
+    if interval <= 0:
+        raise SystemExit("GENQ_RECONCILE_INTERVAL_SECONDS must be above 0")
+    return asyncio.run(
+        _reconcile(
+            target,
+            once=args.once,
+            interval=interval,
+            processing_grace=int(_env_number("GENQ_PROCESSING_GRACE_SECONDS", 120)),
+            queued_max_age=int(_env_number("GENQ_QUEUED_MAX_AGE_SECONDS", 900)),
+        )
+    )
+
+
+async def _reconcile(
+    target: str, *, once: bool, interval: float, processing_grace: int, queued_max_age: int
+) -> int:
+    from workers_sdk.client import GenqClient
+    from workers_sdk.errors import GenqError
+    from workers_sdk.reconciler import Reconciler, describe
+
+    log = logging.getLogger("genq.reconcile")
+    async with GenqClient(target) as client:
+        reconciler = Reconciler(
+            client,
+            reconcile_interval_seconds=interval,
+            processing_grace_seconds=processing_grace,
+            queued_max_age_seconds=queued_max_age,
+        )
+        if once:
+            try:
+                summary = await reconciler.sweep()
+            except GenqError as error:
+                log.error("reconcile sweep against %s failed: %s", target, error)
+                return 1
+            log.info("reconcile sweep: %s", describe(summary))
+            return 1 if summary.errors else 0
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        log.info("reconciling against %s every %g s", target, interval)
+        await reconciler.run(stop)
+        log.info("reconciler stopped")
+        return 0
 
 
 def parser() -> argparse.ArgumentParser:
@@ -66,6 +127,26 @@ def parser() -> argparse.ArgumentParser:
     )
     migrate.add_argument("--downgrade", action="store_true", help="downgrade instead of upgrade")
     migrate.set_defaults(run=cmd_migrate)
+    reconcile = commands.add_parser(
+        "reconcile",
+        help="reap stale tasks and settle reservations over gRPC (the gateway's reconciler)",
+        description="Every GENQ_RECONCILE_INTERVAL_SECONDS (60): force-fail the tasks "
+        "ListStaleTasks returns (dead zombies past GENQ_PROCESSING_GRACE_SECONDS, 120; "
+        "unclaimable rows; never-claimed rows older than GENQ_QUEUED_MAX_AGE_SECONDS, 900), then "
+        "settle the reservation of every terminal task exactly once. Talks to the service at "
+        "--target over gRPC and needs no database credentials; any number may run at once. "
+        "SIGTERM or SIGINT stops it after the sweep in progress. Exit codes: 0 done, "
+        "1 the service could not be reached or some task could not be reaped or settled.",
+    )
+    reconcile.add_argument(
+        "--once", action="store_true", help="sweep once, log the summary and exit"
+    )
+    reconcile.add_argument(
+        "--target",
+        metavar="HOST:PORT",
+        help="the service's address (default: GENQ_ADDR, else localhost:50051)",
+    )
+    reconcile.set_defaults(run=cmd_reconcile)
     return top
 
 

@@ -7,7 +7,7 @@ header, so the service's spans join the caller's trace.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import grpc
@@ -40,7 +40,7 @@ class GenqClient:
 
     async def stream(
         self, method: str, request: Message, *, timeout: float | None = None
-    ) -> AsyncIterator[Any]:
+    ) -> AsyncGenerator[Any, None]:
         """Calls a server-streaming RPC and yields its messages; errors as in `call`."""
         try:
             async for message in getattr(self.stub, method)(

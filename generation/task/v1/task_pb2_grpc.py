@@ -219,6 +219,8 @@ class GenerationDataServiceServicer:
         """Settles a terminal task's reservation exactly once: completed charges the reported usage (at
         most the reservation) and refunds the rest; failed refunds it all. The settlements primary
         key makes a second settlement, however concurrent, a no-op; `settled_now` tells who won.
+        DO UPDATE (a no-op write) rather than DO NOTHING: it returns the winner's row even to a
+        loser whose snapshot predates the winner's commit.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -89,6 +89,8 @@ class GenerationDataServiceStub:
     """Settles a terminal task's reservation exactly once: completed charges the reported usage (at
     most the reservation) and refunds the rest; failed refunds it all. The settlements primary
     key makes a second settlement, however concurrent, a no-op; `settled_now` tells who won.
+    DO UPDATE (a no-op write) rather than DO NOTHING: it returns the winner's row even to a
+    loser whose snapshot predates the winner's commit.
     """
 
 @_typing.type_check_only
@@ -152,6 +154,8 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     """Settles a terminal task's reservation exactly once: completed charges the reported usage (at
     most the reservation) and refunds the rest; failed refunds it all. The settlements primary
     key makes a second settlement, however concurrent, a no-op; `settled_now` tells who won.
+    DO UPDATE (a no-op write) rather than DO NOTHING: it returns the winner's row even to a
+    loser whose snapshot predates the winner's commit.
     """
 
 class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -290,6 +294,8 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         """Settles a terminal task's reservation exactly once: completed charges the reported usage (at
         most the reservation) and refunds the rest; failed refunds it all. The settlements primary
         key makes a second settlement, however concurrent, a no-op; `settled_now` tells who won.
+        DO UPDATE (a no-op write) rather than DO NOTHING: it returns the winner's row even to a
+        loser whose snapshot predates the winner's commit.
         """
 
 def add_GenerationDataServiceServicer_to_server(servicer: GenerationDataServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
