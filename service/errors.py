@@ -57,6 +57,21 @@ class TaskNotTerminal(ServiceError):
     reason = Reason.TASK_NOT_TERMINAL
 
 
+class TaskFinished(ServiceError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = Reason.TASK_FINISHED
+
+
+class TaskNotRetryable(ServiceError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = Reason.TASK_NOT_RETRYABLE
+
+
+class IdempotencyKeyReused(ServiceError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+    reason = Reason.IDEMPOTENCY_KEY_REUSED
+
+
 class Internal(ServiceError):
     """A bug; the caller sees no detail of it, the service log has the traceback."""
 

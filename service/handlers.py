@@ -97,7 +97,9 @@ class Handlers:
             try:
                 rows = await self.database.fetch(sql, params)
                 remaining = deadline - loop.time()
-                if rows or remaining <= 0:
+                if rows[0]["id"] is not None or rows[0]["idle_reason"] == "unknown_tool":
+                    return rows
+                if remaining <= 0:
                     return rows
                 await wake.wait(waiter, min(remaining, self.settings.recheck_seconds))
             finally:

@@ -24,20 +24,46 @@ def task(row: Row) -> task_pb2.Task:
         reserved_token_amount=row["reserved_token_amount"],
         billing_idempotency_key=row["billing_idempotency_key"] or "",
         w3c_traceparent=row["w3c_traceparent"] or "",
+        idempotency_key=row["idempotency_key"] or "",
+        resource_key=row["resource_key"] or "",
+        account_group=row["account_group"] or "",
+        attempt_count=row["attempt_count"],
     )
+    if row["cost_estimate_nanos"] is not None:
+        message.cost_estimate_nanos = row["cost_estimate_nanos"]
     _struct(message.input, row["input"])
     _struct(message.output, row["output"])
     if usage := row["reported_usage"]:
         message.reported_usage.token_amount = usage.get("token_amount", 0)
         message.reported_usage.cost_nanos = usage.get("cost_nanos", 0)
         _struct(message.reported_usage.details, usage.get("details"))
-    for name in ("claim_expires_at", "created_at", "started_at", "completed_at"):
+    for name in (
+        "claim_expires_at",
+        "created_at",
+        "started_at",
+        "completed_at",
+        "run_at",
+        "expires_at",
+    ):
         _timestamp(getattr(message, name), row[name])
     return message
 
 
 def tool(row: Row) -> task_pb2.Tool:
-    message = task_pb2.Tool(id=str(row["id"]), name=row["name"])
+    message = task_pb2.Tool(
+        id=str(row["id"]),
+        name=row["name"],
+        max_attempts=row["max_attempts"],
+        backoff_base_seconds=row["backoff_base_seconds"],
+        backoff_max_seconds=row["backoff_max_seconds"],
+        cost_estimate_nanos=row["cost_estimate_nanos"],
+        paused=row["paused"],
+        spent_today_nanos=_today(row) if "today" in row else 0,
+        reserved_nanos=row["reserved_nanos"],
+    )
+    for name in ("lease_seconds", "resource_key", "account_group", "daily_cap_nanos"):
+        if row[name] is not None:
+            setattr(message, name, row[name])
     _timestamp(message.created_at, row["created_at"])
     return message
 
@@ -71,6 +97,33 @@ def settlement(row: Row) -> task_pb2.Settlement:
         reserved_token_amount=row["reserved_token_amount"],
         charged_token_amount=row["charged_token_amount"],
         refunded_token_amount=row["refunded_token_amount"],
+        settlement_round=row["settlement_round"],
     )
     _timestamp(message.settled_at, row["settled_at"])
     return message
+
+
+def settings(row: Row) -> task_pb2.Settings:
+    message = task_pb2.Settings(
+        enabled=row["enabled"],
+        currency=row["currency"],
+        timezone=row["timezone"],
+        cooldown_threshold=row["cooldown_threshold"],
+        cooldown_seconds=row["cooldown_seconds"],
+        account_hold_seconds=row["account_hold_seconds"],
+        retention_days=row["retention_days"],
+        local_day=row["today"].isoformat(),
+        spent_today_nanos=_today(row),
+        reserved_nanos=row["reserved_nanos"],
+        disabled_by_environment=row["disabled_by_environment"],
+    )
+    if row["daily_cap_nanos"] is not None:
+        message.daily_cap_nanos = row["daily_cap_nanos"]
+    if row["cap_override_nanos"] is not None:
+        message.cap_override_nanos = row["cap_override_nanos"]
+    return message
+
+
+def _today(row: Row) -> int:
+    """Spend counters count one local day; a counter left from an earlier day reads 0."""
+    return int(row["spent_nanos"]) if row["spent_day"] == row["today"] else 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC
 from typing import Any
 
 from google.protobuf.message import Message
@@ -16,17 +17,23 @@ from psycopg.types.json import Jsonb
 from generation.task.v1 import options_pb2, task_pb2
 from service import messages, validation
 from service.errors import (
+    IdempotencyKeyReused,
     InvalidArgument,
     LeaseLost,
+    TaskFinished,
     TaskNotFound,
+    TaskNotRetryable,
     TaskNotStale,
     TaskNotTerminal,
+    ToolNotFound,
 )
 from service.messages import Row
 from service.settings import Settings
 from service.signals import Signals
 
-DEFAULT_MAX_RETRIES = 3
+DEFAULT_TTL_SECONDS = 7 * 86_400
+MAX_BATCH = 1_000
+MAX_NAME = 200
 DEFAULT_PROCESSING_GRACE_SECONDS = 120
 DEFAULT_QUEUED_MAX_AGE_SECONDS = 900
 DEFAULT_STALE_LIMIT = 500
@@ -93,14 +100,25 @@ def bind_upsert_tool(request: task_pb2.UpsertToolRequest, settings: Settings) ->
 def bind_queue_task(request: task_pb2.QueueTaskRequest, settings: Settings) -> Params:
     return {
         "tool_id": validation.required_uuid("tool_id", request.tool_id),
+        **_task_fields(request, settings),
+        "requeue": request.on_conflict == task_pb2.ON_CONFLICT_REQUEUE,
+    }
+
+
+def _task_fields(request: task_pb2.QueueTaskRequest, settings: Settings) -> Params:
+    """The columns of a new task, checked; NULL means the tool's default."""
+    ttl_seconds: float | None = DEFAULT_TTL_SECONDS
+    if request.HasField("ttl"):
+        ttl_seconds = request.ttl.ToTimedelta().total_seconds()
+        if ttl_seconds < 0:
+            raise InvalidArgument("ttl must not be negative", field="ttl")
+        ttl_seconds = ttl_seconds or None  # 0: never expires
+    return {
         "input": validation.struct("input", request.input, max_bytes=settings.max_input_bytes),
         "priority": validation.in_range("priority", request.priority, -100, 100),
-        "max_retries": validation.in_range(
-            "max_retries",
-            request.max_retries if request.HasField("max_retries") else DEFAULT_MAX_RETRIES,
-            0,
-            100,
-        ),
+        "max_retries": validation.in_range("max_retries", request.max_retries, 0, 100)
+        if request.HasField("max_retries")
+        else None,
         "reserved_token_amount": validation.amount(
             "reserved_token_amount", request.reserved_token_amount
         ),
@@ -108,7 +126,54 @@ def bind_queue_task(request: task_pb2.QueueTaskRequest, settings: Settings) -> P
             "billing_idempotency_key", request.billing_idempotency_key, max_length=512
         ),
         "w3c_traceparent": validation.traceparent("w3c_traceparent", request.w3c_traceparent),
+        "idempotency_key": validation.text(
+            "idempotency_key", request.idempotency_key, max_length=512
+        ),
+        "run_at": request.run_after.ToDatetime(tzinfo=UTC)
+        if request.HasField("run_after")
+        else None,
+        "ttl_seconds": ttl_seconds,
+        "resource_key": validation.text("resource_key", request.resource_key, max_length=MAX_NAME),
+        "account_group": validation.text(
+            "account_group", request.account_group, max_length=MAX_NAME
+        ),
+        "cost_estimate_nanos": validation.amount("cost_estimate_nanos", request.cost_estimate_nanos)
+        if request.HasField("cost_estimate_nanos")
+        else None,
     }
+
+
+def bind_queue_tasks(request: task_pb2.QueueTasksRequest, settings: Settings) -> Params:
+    tool_id = validation.required_uuid("tool_id", request.tool_id)
+    if not 1 <= len(request.tasks) <= MAX_BATCH:
+        raise InvalidArgument(f"tasks must hold 1 to {MAX_BATCH} items", field="tasks")
+    items = []
+    for ordinal, item in enumerate(request.tasks):
+        if item.tool_id not in ("", request.tool_id):
+            raise InvalidArgument(f"tasks[{ordinal}].tool_id differs", field="tasks")
+        if item.on_conflict == task_pb2.ON_CONFLICT_REQUEUE:
+            raise InvalidArgument(
+                "QueueTasks skips used keys; REQUEUE is QueueTask's", field="tasks"
+            )
+        fields = _task_fields(item, settings)
+        fields["input"] = fields["input"].obj
+        if fields["run_at"] is not None:
+            fields["run_at"] = fields["run_at"].isoformat()
+        items.append({"ordinal": ordinal, **fields})
+    return {"tool_id": tool_id, "items": Jsonb(items)}
+
+
+def _queued(rows: list[Row]) -> list[Row]:
+    if not rows[0]["tool_found"]:
+        raise ToolNotFound("tool not found")
+    return [row for row in rows if row["id"] is not None]
+
+
+def respond_queue_task(rows: list[Row]) -> task_pb2.QueueTaskResponse:
+    queued = _queued(rows)
+    if not queued:
+        raise IdempotencyKeyReused("idempotency_key was already used with a different input")
+    return task_pb2.QueueTaskResponse(task=messages.task(queued[0]))
 
 
 def bind_claim_next_task(request: task_pb2.ClaimNextTaskRequest, settings: Settings) -> Params:
@@ -120,8 +185,14 @@ def bind_claim_next_task(request: task_pb2.ClaimNextTaskRequest, settings: Setti
         )
     return {
         "tool_id": validation.required_uuid("tool_id", request.tool_id),
+        **_overrides(settings),
         "lease_seconds": settings.lease_seconds,
     }
+
+
+def _overrides(settings: Settings) -> Params:
+    """The environment's word on the kill switch and the cap, which the database cannot undo."""
+    return {"disabled_override": settings.disabled, "cap_override": settings.daily_cap_nanos}
 
 
 def park_claim(
@@ -144,6 +215,7 @@ def bind_complete_task(request: task_pb2.CompleteTaskRequest, settings: Settings
         "task_id": validation.required_uuid("task_id", request.task_id),
         "lease_token": validation.required_uuid("lease_token", request.lease_token),
         "output": validation.struct("output", request.output, max_bytes=settings.max_input_bytes),
+        "cost_nanos": validation.amount("reported_usage.cost_nanos", usage.cost_nanos),
         "reported_usage": Jsonb(
             {
                 "token_amount": validation.amount(
@@ -162,23 +234,144 @@ def bind_release_task(request: task_pb2.ReleaseTaskRequest, settings: Settings) 
     return {
         "task_id": validation.required_uuid("task_id", request.task_id),
         "lease_token": validation.required_uuid("lease_token", request.lease_token),
+        "cost_nanos": validation.amount("cost_nanos", request.cost_nanos),
     }
+
+
+FAILURES = {
+    task_pb2.FAILURE_KIND_RETRYABLE: "retryable",
+    task_pb2.FAILURE_KIND_PERMANENT: "permanent",
+    task_pb2.FAILURE_KIND_ACCOUNT: "account",
+    task_pb2.FAILURE_KIND_CANCELLED: "cancelled",
+}
 
 
 def bind_fail_task(request: task_pb2.FailTaskRequest, settings: Settings) -> Params:
     lease_token = validation.optional_uuid("lease_token", request.lease_token)
-    if lease_token is None and request.increment_retry:
+    if request.failure not in (task_pb2.FAILURE_KIND_UNSPECIFIED, *FAILURES):
+        raise InvalidArgument("failure is not a FailureKind", field="failure")
+    failure = FAILURES.get(request.failure, "retryable" if request.increment_retry else "permanent")
+    if lease_token is None and failure != "permanent":
         raise InvalidArgument(
-            "lease_token is required unless increment_retry is false (the reaper's forced fail)",
+            "lease_token is required unless the failure is permanent (the reaper's forced fail)",
             field="lease_token",
         )
     return {
         "task_id": validation.required_uuid("task_id", request.task_id),
         "lease_token": lease_token,
         "error": validation.text("error", request.error, max_length=MAX_TEXT),
-        "increment_retry": request.increment_retry,
+        "failure": failure,
+        "cost_nanos": validation.amount(
+            "reported_usage.cost_nanos", request.reported_usage.cost_nanos
+        ),
         **_stale_thresholds(request),
     }
+
+
+def bind_task_id(request: Any, settings: Settings) -> Params:
+    return {"task_id": validation.required_uuid("task_id", request.task_id)}
+
+
+def bind_tool_id(request: Any, settings: Settings) -> Params:
+    return {"tool_id": validation.required_uuid("tool_id", request.tool_id)}
+
+
+def bind_cancel_tasks(request: task_pb2.CancelTasksRequest, settings: Settings) -> Params:
+    return {
+        "tool_id": validation.required_uuid("tool_id", request.tool_id),
+        "include_processing": request.include_processing,
+        "idempotency_key_prefix": validation.text(
+            "idempotency_key_prefix", request.idempotency_key_prefix, max_length=512
+        ),
+        "limit": validation.in_range("limit", request.limit, 0, 10_000) or 1_000,
+    }
+
+
+def bind_retry_task(request: task_pb2.RetryTaskRequest, settings: Settings) -> Params:
+    return {
+        "task_id": validation.required_uuid("task_id", request.task_id),
+        "reserved_token_amount": validation.amount(
+            "reserved_token_amount", request.reserved_token_amount
+        ),
+    }
+
+
+def _optional(request: Any, name: str, check: Callable[[str, Any], Any]) -> Any:
+    return check(name, getattr(request, name)) if request.HasField(name) else None
+
+
+def _clear(request: Any, allowed: set[str]) -> list[str]:
+    unknown = set(request.clear) - allowed
+    if unknown:
+        raise InvalidArgument(
+            f"clear takes {', '.join(sorted(allowed))}; not {', '.join(sorted(unknown))}",
+            field="clear",
+        )
+    return list(request.clear)
+
+
+def _seconds(name: str, value: int) -> int:
+    return validation.in_range(name, value, 0, 30 * 86_400)
+
+
+def _key(name: str, value: str) -> str | None:
+    return validation.text(name, value, max_length=MAX_NAME, required=True)
+
+
+def bind_configure_tool(request: task_pb2.ConfigureToolRequest, settings: Settings) -> Params:
+    params = {
+        "tool_id": validation.required_uuid("tool_id", request.tool_id),
+        "max_attempts": _optional(
+            request, "max_attempts", lambda n, v: validation.in_range(n, v, 0, 100)
+        ),
+        "backoff_base_seconds": _optional(request, "backoff_base_seconds", _seconds),
+        "backoff_max_seconds": _optional(request, "backoff_max_seconds", _seconds),
+        "lease_seconds": _optional(
+            request, "lease_seconds", lambda n, v: validation.in_range(n, v, 1, 86_400)
+        ),
+        "resource_key": _optional(request, "resource_key", _key),
+        "account_group": _optional(request, "account_group", _key),
+        "cost_estimate_nanos": _optional(request, "cost_estimate_nanos", validation.amount),
+        "daily_cap_nanos": _optional(request, "daily_cap_nanos", validation.amount),
+        "paused": request.paused if request.HasField("paused") else None,
+        "clear": _clear(
+            request, {"lease_seconds", "resource_key", "account_group", "daily_cap_nanos"}
+        ),
+    }
+    return params
+
+
+def bind_update_settings(request: task_pb2.UpdateSettingsRequest, settings: Settings) -> Params:
+    return {
+        "enabled": request.enabled if request.HasField("enabled") else None,
+        "daily_cap_nanos": _optional(request, "daily_cap_nanos", validation.amount),
+        "currency": _optional(
+            request, "currency", lambda n, v: validation.text(n, v, max_length=16) or ""
+        ),
+        "timezone": _optional(request, "timezone", _key),
+        "cooldown_threshold": _optional(
+            request, "cooldown_threshold", lambda n, v: validation.in_range(n, v, 1, 1_000)
+        ),
+        "cooldown_seconds": _optional(request, "cooldown_seconds", _seconds),
+        "account_hold_seconds": _optional(request, "account_hold_seconds", _seconds),
+        "retention_days": _optional(
+            request, "retention_days", lambda n, v: validation.in_range(n, v, 0, 36_500)
+        ),
+        "clear": _clear(request, {"daily_cap_nanos"}),
+        **_overrides(settings),
+    }
+
+
+def bind_get_settings(request: task_pb2.GetSettingsRequest, settings: Settings) -> Params:
+    return _overrides(settings)
+
+
+def bind_release_cooldown(request: task_pb2.ReleaseCooldownRequest, settings: Settings) -> Params:
+    return {"resource_key": _key("resource_key", request.resource_key)}
+
+
+def bind_release_hold(request: task_pb2.ReleaseHoldRequest, settings: Settings) -> Params:
+    return {"account_group": _key("account_group", request.account_group)}
 
 
 def bind_list_stale_tasks(request: task_pb2.ListStaleTasksRequest, settings: Settings) -> Params:
@@ -187,10 +380,6 @@ def bind_list_stale_tasks(request: task_pb2.ListStaleTasksRequest, settings: Set
         "limit": validation.in_range("limit", request.limit, 0, MAX_STALE_LIMIT)
         or DEFAULT_STALE_LIMIT,
     }
-
-
-def bind_get_task(request: task_pb2.GetTaskRequest, settings: Settings) -> Params:
-    return {"task_id": validation.required_uuid("task_id", request.task_id)}
 
 
 PUBLISHABLE = {
@@ -232,16 +421,12 @@ def bind_list_unsettled_tasks(
     }
 
 
-def bind_settle_task(request: task_pb2.SettleTaskRequest, settings: Settings) -> Params:
-    return {"task_id": validation.required_uuid("task_id", request.task_id)}
-
-
 def respond_settle(rows: list[Row]) -> task_pb2.SettleTaskResponse:
     (row,) = rows
     if not row["found"]:
         raise TaskNotFound("task not found")
     if row["task_id"] is None:
-        raise TaskNotTerminal("only a completed or failed task can be settled")
+        raise TaskNotTerminal("only a finished task can be settled")
     return task_pb2.SettleTaskResponse(
         settlement=messages.settlement(row), settled_now=row["settled_now"]
     )
@@ -271,13 +456,48 @@ def respond_get_task(rows: list[Row]) -> task_pb2.GetTaskResponse:
     return task_pb2.GetTaskResponse(task=messages.task(rows[0]))
 
 
+def claimed(rows: list[Row]) -> bool:
+    return rows[0]["id"] is not None
+
+
 def respond_claim(rows: list[Row]) -> task_pb2.ClaimNextTaskResponse:
-    if not rows:
-        return task_pb2.ClaimNextTaskResponse()
-    row = rows[0]
+    (row,) = rows
+    if row["idle_reason"] == "unknown_tool":
+        raise ToolNotFound("tool not found")
+    if row["id"] is None:
+        return task_pb2.ClaimNextTaskResponse(
+            idle_reason=task_pb2.IdleReason.Value(f"IDLE_REASON_{row['idle_reason'].upper()}")
+        )
     return task_pb2.ClaimNextTaskResponse(
         task=messages.task(row), lease_token=str(row["lease_token"])
     )
+
+
+def _one_task(rows: list[Row], not_found: str = "task not found") -> Row:
+    (row,) = rows
+    if not row["found"]:
+        raise TaskNotFound(not_found)
+    return row
+
+
+def respond_cancel(rows: list[Row]) -> task_pb2.CancelTaskResponse:
+    row = _one_task(rows)
+    if row["id"] is None:
+        raise TaskFinished("the task has already finished")
+    return task_pb2.CancelTaskResponse(task=messages.task(row))
+
+
+def respond_retry(rows: list[Row]) -> task_pb2.RetryTaskResponse:
+    row = _one_task(rows)
+    if row["id"] is None:
+        raise TaskNotRetryable("only a failed, cancelled or expired task can be retried")
+    return task_pb2.RetryTaskResponse(task=messages.task(row))
+
+
+def respond_tool(rows: list[Row]) -> task_pb2.Tool:
+    if not rows:
+        raise ToolNotFound("tool not found")
+    return messages.tool(rows[0])
 
 
 def respond_heartbeat(rows: list[Row]) -> task_pb2.HeartbeatTaskResponse:
@@ -304,10 +524,39 @@ BINDINGS: dict[str, Binding] = {
         bind_upsert_tool,
         lambda rows: task_pb2.UpsertToolResponse(tool=messages.tool(rows[0])),
     ),
-    "QueueTask": Binding(
-        bind_queue_task,
-        lambda rows: task_pb2.QueueTaskResponse(task=messages.task(rows[0])),
+    "QueueTask": Binding(bind_queue_task, respond_queue_task, after=signal_queued),
+    "QueueTasks": Binding(
+        bind_queue_tasks,
+        lambda rows: task_pb2.QueueTasksResponse(tasks=[messages.task(r) for r in _queued(rows)]),
         after=signal_queued,
+    ),
+    "CancelTask": Binding(bind_task_id, respond_cancel, after=signal_event),
+    "CancelTasks": Binding(
+        bind_cancel_tasks,
+        lambda rows: task_pb2.CancelTasksResponse(cancelled=rows[0]["cancelled"]),
+    ),
+    "RetryTask": Binding(bind_retry_task, respond_retry, after=signal_queued),
+    "ConfigureTool": Binding(
+        bind_configure_tool,
+        lambda rows: task_pb2.ConfigureToolResponse(tool=respond_tool(rows)),
+    ),
+    "GetTool": Binding(
+        bind_tool_id, lambda rows: task_pb2.GetToolResponse(tool=respond_tool(rows))
+    ),
+    "UpdateSettings": Binding(
+        bind_update_settings,
+        lambda rows: task_pb2.UpdateSettingsResponse(settings=messages.settings(rows[0])),
+    ),
+    "GetSettings": Binding(
+        bind_get_settings,
+        lambda rows: task_pb2.GetSettingsResponse(settings=messages.settings(rows[0])),
+    ),
+    "ReleaseCooldown": Binding(
+        bind_release_cooldown,
+        lambda rows: task_pb2.ReleaseCooldownResponse(released=bool(rows)),
+    ),
+    "ReleaseHold": Binding(
+        bind_release_hold, lambda rows: task_pb2.ReleaseHoldResponse(released=bool(rows))
     ),
     "ClaimNextTask": Binding(bind_claim_next_task, respond_claim, park=park_claim),
     "HeartbeatTask": Binding(bind_heartbeat_task, respond_heartbeat),
@@ -327,7 +576,7 @@ BINDINGS: dict[str, Binding] = {
         after=signal_requeue,
     ),
     "ListStaleTasks": Binding(bind_list_stale_tasks, respond_stale),
-    "GetTask": Binding(bind_get_task, respond_get_task),
+    "GetTask": Binding(bind_task_id, respond_get_task),
     "PublishTaskEvent": Binding(
         bind_publish_task_event,
         lambda rows: task_pb2.PublishTaskEventResponse(
@@ -339,7 +588,7 @@ BINDINGS: dict[str, Binding] = {
         bind_list_unsettled_tasks,
         lambda rows: task_pb2.ListUnsettledTasksResponse(tasks=[messages.task(r) for r in rows]),
     ),
-    "SettleTask": Binding(bind_settle_task, respond_settle),
+    "SettleTask": Binding(bind_task_id, respond_settle),
 }
 
 # Server-streaming: the statement reads one page of events; service/handlers.py follows.

@@ -11,7 +11,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from service import rescuer
+from service import housekeeping
 from service.database import Database
 from service.handlers import Handlers
 from service.rpcs import SERVICE
@@ -72,7 +72,7 @@ async def serve(
         loop.add_signal_handler(sig, stop.set)
     background = [
         asyncio.create_task(watch_health(database, health_servicer)),
-        asyncio.create_task(rescuer.run(database, signals, settings.rescue_interval_seconds)),
+        asyncio.create_task(housekeeping.run(database, signals, settings)),
         asyncio.create_task(signals.listen()),
     ]
     await stop.wait()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 _ENV_NAMES = {
@@ -66,6 +66,13 @@ class Settings:
     """REDIS_ADDR (alias REDIS_URL), e.g. redis://host:6379/0, the DB index in the path. Unset:
     wakes stay within this process and events only in Postgres."""
 
+    disabled: bool = False
+    """GENQ_DISABLED (false): the kill switch's override. True stops every claim whatever the
+    database says; the stored switch cannot turn it back on."""
+
+    daily_cap_nanos: int | None = field(default=None, metadata={"parse": int})
+    """GENQ_DAILY_CAP_NANOS (unset): replaces the stored global daily cap while set."""
+
     environment: str = "dev"
     """ENVIRONMENT (dev): namespace of the Redis keys, `{env}:common:task:wake` and
     `{env}:common:task:{id}:events`; every service and worker of a deployment must agree."""
@@ -74,24 +81,26 @@ class Settings:
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
         env = dict(os.environ if env is None else env)
         values: dict[str, object] = {}
-        for field in fields(cls):
-            names = env_names(field.name)
+        for setting in fields(cls):
+            names = env_names(setting.name)
             name = next((n for n in names if env.get(n)), names[0])
             raw = env.get(name)
             if raw is None or raw == "":
                 continue
-            default = getattr(cls, field.name)
+            default = getattr(cls, setting.name)
             try:
-                if isinstance(default, bool):
-                    values[field.name] = raw.lower() in {"1", "true", "yes", "on"}
+                if "parse" in setting.metadata:
+                    values[setting.name] = setting.metadata["parse"](raw)
+                elif isinstance(default, bool):
+                    values[setting.name] = raw.lower() in {"1", "true", "yes", "on"}
                 elif isinstance(default, int):
-                    values[field.name] = int(raw)
+                    values[setting.name] = int(raw)
                 elif isinstance(default, float):
-                    values[field.name] = float(raw)
+                    values[setting.name] = float(raw)
                 elif isinstance(default, Path):
-                    values[field.name] = Path(raw)
+                    values[setting.name] = Path(raw)
                 else:
-                    values[field.name] = raw
+                    values[setting.name] = raw
             except ValueError as exc:
                 raise SystemExit(f"{name}={raw!r} is not a valid {type(default).__name__}") from exc
         return cls(**values)  # type: ignore[arg-type]

@@ -31,6 +31,7 @@ from service import migrations
 
 ROOT = Path(__file__).resolve().parent.parent
 ADMIN_URL = os.environ.get("GENQ_TEST_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+UNLIMITED = 10**18  # nanos: a billion currency units a day
 REDIS_URL = os.environ.get("GENQ_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
@@ -58,6 +59,10 @@ class Databases:
         self.created: list[str] = []
         self.template = self.create("template", template=None)
         migrations.upgrade(url_for(self.template))
+        with psycopg.connect(url_for(self.template), autocommit=True) as template:
+            # With no daily cap nothing runs (by design); tests of the queue itself get a cap
+            # too large to matter. Spend-control tests set their own, in databases of their own.
+            template.execute("UPDATE generation.settings SET daily_cap_nanos = %s", [UNLIMITED])
 
     def create(self, name: str, template: str | None = "default") -> str:
         database = f"{self.prefix}_{name}"
@@ -188,7 +193,12 @@ def db(database_url: str) -> Iterator[psycopg.Connection[dict[str, Any]]]:
 def tool_id(stub: task_pb2_grpc.GenerationDataServiceStub) -> str:
     """A tool of this test's own, so tests never see each other's tasks."""
     name = f"tool-{uuid.uuid4().hex[:12]}"
-    return str(stub.UpsertTool(task_pb2.UpsertToolRequest(name=name)).tool.id)
+    tool = str(stub.UpsertTool(task_pb2.UpsertToolRequest(name=name)).tool.id)
+    # No backoff: the queue's own tests requeue and reclaim at once, as the spec's FailTask does.
+    stub.ConfigureTool(
+        task_pb2.ConfigureToolRequest(tool_id=tool, backoff_base_seconds=0, backoff_max_seconds=0)
+    )
+    return tool
 
 
 @pytest.fixture(scope="session")

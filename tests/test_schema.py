@@ -16,7 +16,8 @@ SCHEMA_SQL = ROOT / "proto" / "generation" / "task" / "v1" / "schema.sql"
 
 CATALOG = {
     "columns": """
-        SELECT table_name, column_name, ordinal_position, udt_name, is_nullable, column_default
+        SELECT table_name, column_name, udt_name, is_nullable, column_default,
+               row_number() OVER (PARTITION BY table_name ORDER BY ordinal_position) AS position
         FROM information_schema.columns WHERE table_schema = 'generation'
         ORDER BY table_name, ordinal_position""",
     "constraints": """

@@ -35,6 +35,10 @@ class _TaskStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TaskStatus
     TASK_STATUS_PROCESSING: _TaskStatus.ValueType  # 3
     TASK_STATUS_COMPLETED: _TaskStatus.ValueType  # 4
     TASK_STATUS_FAILED: _TaskStatus.ValueType  # 5
+    TASK_STATUS_CANCELLED: _TaskStatus.ValueType  # 6
+    """Terminal: cancelled by an operator or a gateway before it finished."""
+    TASK_STATUS_EXPIRED: _TaskStatus.ValueType  # 7
+    """Terminal: still queued when its expiry passed; it never ran."""
 
 class TaskStatus(_TaskStatus, metaclass=_TaskStatusEnumTypeWrapper):
     """Mirrors the Postgres enum generation.task_status, plus the proto3 zero value."""
@@ -46,7 +50,109 @@ TASK_STATUS_DISPATCHED: TaskStatus.ValueType  # 2
 TASK_STATUS_PROCESSING: TaskStatus.ValueType  # 3
 TASK_STATUS_COMPLETED: TaskStatus.ValueType  # 4
 TASK_STATUS_FAILED: TaskStatus.ValueType  # 5
+TASK_STATUS_CANCELLED: TaskStatus.ValueType  # 6
+"""Terminal: cancelled by an operator or a gateway before it finished."""
+TASK_STATUS_EXPIRED: TaskStatus.ValueType  # 7
+"""Terminal: still queued when its expiry passed; it never ran."""
 Global___TaskStatus: _TypeAlias = TaskStatus  # noqa: Y015
+
+class _IdleReason:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _IdleReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_IdleReason.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    IDLE_REASON_UNSPECIFIED: _IdleReason.ValueType  # 0
+    IDLE_REASON_EMPTY: _IdleReason.ValueType  # 1
+    """Nothing queued for the tool."""
+    IDLE_REASON_WAITING: _IdleReason.ValueType  # 2
+    """Work exists but none is due or free now (not before its time, or taken by others)."""
+    IDLE_REASON_CAPPED: _IdleReason.ValueType  # 3
+    """The daily cap (global or the tool's) is unset, 0, or has no room for the next task."""
+    IDLE_REASON_DISABLED: _IdleReason.ValueType  # 4
+    """The kill switch is off (in the database, or GENQ_DISABLED)."""
+    IDLE_REASON_PAUSED: _IdleReason.ValueType  # 5
+    """The tool is paused."""
+    IDLE_REASON_COOLING: _IdleReason.ValueType  # 6
+    """The due tasks' resource key is cooling down after repeated retryable failures."""
+    IDLE_REASON_HELD: _IdleReason.ValueType  # 7
+    """The due tasks' account group is on hold after an account error."""
+
+class IdleReason(_IdleReason, metaclass=_IdleReasonEnumTypeWrapper):
+    """Why a claim returned no task."""
+
+IDLE_REASON_UNSPECIFIED: IdleReason.ValueType  # 0
+IDLE_REASON_EMPTY: IdleReason.ValueType  # 1
+"""Nothing queued for the tool."""
+IDLE_REASON_WAITING: IdleReason.ValueType  # 2
+"""Work exists but none is due or free now (not before its time, or taken by others)."""
+IDLE_REASON_CAPPED: IdleReason.ValueType  # 3
+"""The daily cap (global or the tool's) is unset, 0, or has no room for the next task."""
+IDLE_REASON_DISABLED: IdleReason.ValueType  # 4
+"""The kill switch is off (in the database, or GENQ_DISABLED)."""
+IDLE_REASON_PAUSED: IdleReason.ValueType  # 5
+"""The tool is paused."""
+IDLE_REASON_COOLING: IdleReason.ValueType  # 6
+"""The due tasks' resource key is cooling down after repeated retryable failures."""
+IDLE_REASON_HELD: IdleReason.ValueType  # 7
+"""The due tasks' account group is on hold after an account error."""
+Global___IdleReason: _TypeAlias = IdleReason  # noqa: Y015
+
+class _FailureKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _FailureKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FailureKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    FAILURE_KIND_UNSPECIFIED: _FailureKind.ValueType  # 0
+    """Taken from increment_retry: true is RETRYABLE, false is PERMANENT."""
+    FAILURE_KIND_RETRYABLE: _FailureKind.ValueType  # 1
+    """Requeued with full-jitter backoff while retries remain; counts towards the key's cooldown."""
+    FAILURE_KIND_PERMANENT: _FailureKind.ValueType  # 2
+    """Failed at once."""
+    FAILURE_KIND_ACCOUNT: _FailureKind.ValueType  # 3
+    """The provider account cannot pay: requeued without using a retry; the group is held."""
+    FAILURE_KIND_CANCELLED: _FailureKind.ValueType  # 4
+    """The handler gave up on purpose: the task ends cancelled."""
+
+class FailureKind(_FailureKind, metaclass=_FailureKindEnumTypeWrapper):
+    """How a run ended when it did not complete (FailTask)."""
+
+FAILURE_KIND_UNSPECIFIED: FailureKind.ValueType  # 0
+"""Taken from increment_retry: true is RETRYABLE, false is PERMANENT."""
+FAILURE_KIND_RETRYABLE: FailureKind.ValueType  # 1
+"""Requeued with full-jitter backoff while retries remain; counts towards the key's cooldown."""
+FAILURE_KIND_PERMANENT: FailureKind.ValueType  # 2
+"""Failed at once."""
+FAILURE_KIND_ACCOUNT: FailureKind.ValueType  # 3
+"""The provider account cannot pay: requeued without using a retry; the group is held."""
+FAILURE_KIND_CANCELLED: FailureKind.ValueType  # 4
+"""The handler gave up on purpose: the task ends cancelled."""
+Global___FailureKind: _TypeAlias = FailureKind  # noqa: Y015
+
+class _OnConflict:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _OnConflictEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_OnConflict.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ON_CONFLICT_UNSPECIFIED: _OnConflict.ValueType  # 0
+    """As RETURN."""
+    ON_CONFLICT_RETURN: _OnConflict.ValueType  # 1
+    """Answer with the existing task."""
+    ON_CONFLICT_REQUEUE: _OnConflict.ValueType  # 2
+    """Answer with the existing task, queued again if it had finished."""
+
+class OnConflict(_OnConflict, metaclass=_OnConflictEnumTypeWrapper):
+    """What QueueTask does when the idempotency key is already used with the same input."""
+
+ON_CONFLICT_UNSPECIFIED: OnConflict.ValueType  # 0
+"""As RETURN."""
+ON_CONFLICT_RETURN: OnConflict.ValueType  # 1
+"""Answer with the existing task."""
+ON_CONFLICT_REQUEUE: OnConflict.ValueType  # 2
+"""Answer with the existing task, queued again if it had finished."""
+Global___OnConflict: _TypeAlias = OnConflict  # noqa: Y015
 
 class _StaleReason:
     ValueType = _typing.NewType("ValueType", _builtins.int)
@@ -90,6 +196,10 @@ class _TaskEventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TaskEve
     """Terminal; added by the service in CompleteTask."""
     TASK_EVENT_KIND_FAILED: _TaskEventKind.ValueType  # 6
     """Terminal; added by the service when FailTask ends the task."""
+    TASK_EVENT_KIND_CANCELLED: _TaskEventKind.ValueType  # 7
+    """Terminal; added by CancelTask, CancelTasks, or FailTask with FAILURE_KIND_CANCELLED."""
+    TASK_EVENT_KIND_EXPIRED: _TaskEventKind.ValueType  # 8
+    """Terminal; added when the task expires unrun."""
 
 class TaskEventKind(_TaskEventKind, metaclass=_TaskEventKindEnumTypeWrapper):
     """Mirrors the Postgres enum generation.task_event_kind."""
@@ -104,6 +214,10 @@ TASK_EVENT_KIND_COMPLETED: TaskEventKind.ValueType  # 5
 """Terminal; added by the service in CompleteTask."""
 TASK_EVENT_KIND_FAILED: TaskEventKind.ValueType  # 6
 """Terminal; added by the service when FailTask ends the task."""
+TASK_EVENT_KIND_CANCELLED: TaskEventKind.ValueType  # 7
+"""Terminal; added by CancelTask, CancelTasks, or FailTask with FAILURE_KIND_CANCELLED."""
+TASK_EVENT_KIND_EXPIRED: TaskEventKind.ValueType  # 8
+"""Terminal; added when the task expires unrun."""
 Global___TaskEventKind: _TypeAlias = TaskEventKind  # noqa: Y015
 
 @_typing.final
@@ -129,6 +243,13 @@ class Task(_message.Message):
     CREATED_AT_FIELD_NUMBER: _builtins.int
     STARTED_AT_FIELD_NUMBER: _builtins.int
     COMPLETED_AT_FIELD_NUMBER: _builtins.int
+    RUN_AT_FIELD_NUMBER: _builtins.int
+    EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
+    RESOURCE_KEY_FIELD_NUMBER: _builtins.int
+    ACCOUNT_GROUP_FIELD_NUMBER: _builtins.int
+    COST_ESTIMATE_NANOS_FIELD_NUMBER: _builtins.int
+    ATTEMPT_COUNT_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     tool_id: _builtins.str
     status: Global___TaskStatus.ValueType
@@ -139,6 +260,13 @@ class Task(_message.Message):
     reserved_token_amount: _builtins.int
     billing_idempotency_key: _builtins.str
     w3c_traceparent: _builtins.str
+    idempotency_key: _builtins.str
+    resource_key: _builtins.str
+    """Per-task overrides of the tool's settings ("" / unset: the tool's)."""
+    account_group: _builtins.str
+    cost_estimate_nanos: _builtins.int
+    attempt_count: _builtins.int
+    """Runs started so far (claims), each a row of the attempts ledger."""
     @_builtins.property
     def input(self) -> _struct_pb2.Struct: ...
     @_builtins.property
@@ -153,6 +281,12 @@ class Task(_message.Message):
     def started_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
     def completed_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def run_at(self) -> _timestamp_pb2.Timestamp:
+        """Not before: the task is claimable from then on (FIFO within a priority follows it)."""
+
+    @_builtins.property
+    def expires_at(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
         self,
         *,
@@ -173,12 +307,21 @@ class Task(_message.Message):
         created_at: _timestamp_pb2.Timestamp | None = ...,
         started_at: _timestamp_pb2.Timestamp | None = ...,
         completed_at: _timestamp_pb2.Timestamp | None = ...,
+        run_at: _timestamp_pb2.Timestamp | None = ...,
+        expires_at: _timestamp_pb2.Timestamp | None = ...,
+        idempotency_key: _builtins.str = ...,
+        resource_key: _builtins.str = ...,
+        account_group: _builtins.str = ...,
+        cost_estimate_nanos: _builtins.int | None = ...,
+        attempt_count: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["claim_expires_at", b"claim_expires_at", "completed_at", b"completed_at", "created_at", b"created_at", "input", b"input", "output", b"output", "reported_usage", b"reported_usage", "started_at", b"started_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cost_estimate_nanos", b"_cost_estimate_nanos", "claim_expires_at", b"claim_expires_at", "completed_at", b"completed_at", "cost_estimate_nanos", b"cost_estimate_nanos", "created_at", b"created_at", "expires_at", b"expires_at", "input", b"input", "output", b"output", "reported_usage", b"reported_usage", "run_at", b"run_at", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["billing_idempotency_key", b"billing_idempotency_key", "claim_expires_at", b"claim_expires_at", "completed_at", b"completed_at", "created_at", b"created_at", "error", b"error", "id", b"id", "input", b"input", "max_retries", b"max_retries", "output", b"output", "priority", b"priority", "reported_usage", b"reported_usage", "reserved_token_amount", b"reserved_token_amount", "retry_count", b"retry_count", "started_at", b"started_at", "status", b"status", "tool_id", b"tool_id", "w3c_traceparent", b"w3c_traceparent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cost_estimate_nanos", b"_cost_estimate_nanos", "account_group", b"account_group", "attempt_count", b"attempt_count", "billing_idempotency_key", b"billing_idempotency_key", "claim_expires_at", b"claim_expires_at", "completed_at", b"completed_at", "cost_estimate_nanos", b"cost_estimate_nanos", "created_at", b"created_at", "error", b"error", "expires_at", b"expires_at", "id", b"id", "idempotency_key", b"idempotency_key", "input", b"input", "max_retries", b"max_retries", "output", b"output", "priority", b"priority", "reported_usage", b"reported_usage", "reserved_token_amount", b"reserved_token_amount", "resource_key", b"resource_key", "retry_count", b"retry_count", "run_at", b"run_at", "started_at", b"started_at", "status", b"status", "tool_id", b"tool_id", "w3c_traceparent", b"w3c_traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__cost_estimate_nanos: _TypeAlias = _typing.Literal["cost_estimate_nanos"]  # noqa: Y015
+    _WhichOneofArgType__cost_estimate_nanos: _TypeAlias = _typing.Literal["_cost_estimate_nanos", b"_cost_estimate_nanos"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cost_estimate_nanos) -> _WhichOneofReturnType__cost_estimate_nanos | None: ...
 
 Global___Task: _TypeAlias = Task  # noqa: Y015
 
@@ -221,8 +364,36 @@ class Tool(_message.Message):
     ID_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
+    MAX_ATTEMPTS_FIELD_NUMBER: _builtins.int
+    BACKOFF_BASE_SECONDS_FIELD_NUMBER: _builtins.int
+    BACKOFF_MAX_SECONDS_FIELD_NUMBER: _builtins.int
+    LEASE_SECONDS_FIELD_NUMBER: _builtins.int
+    RESOURCE_KEY_FIELD_NUMBER: _builtins.int
+    ACCOUNT_GROUP_FIELD_NUMBER: _builtins.int
+    COST_ESTIMATE_NANOS_FIELD_NUMBER: _builtins.int
+    DAILY_CAP_NANOS_FIELD_NUMBER: _builtins.int
+    PAUSED_FIELD_NUMBER: _builtins.int
+    SPENT_TODAY_NANOS_FIELD_NUMBER: _builtins.int
+    RESERVED_NANOS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     name: _builtins.str
+    max_attempts: _builtins.int
+    """The max_retries of tasks queued without one."""
+    backoff_base_seconds: _builtins.int
+    """Full-jitter backoff after a retryable failure: random(0, min(max, base * 2^(attempt-1)))."""
+    backoff_max_seconds: _builtins.int
+    lease_seconds: _builtins.int
+    """Lease of its claims; unset: GENQ_LEASE_SECONDS."""
+    resource_key: _builtins.str
+    """Cooldowns are kept per resource key, holds per account group; unset: the tool's name."""
+    account_group: _builtins.str
+    cost_estimate_nanos: _builtins.int
+    """Reserved against the caps while a task runs, in nanos."""
+    daily_cap_nanos: _builtins.int
+    """The tool's own daily cap on top of the global one (the stricter wins); unset: none."""
+    paused: _builtins.bool
+    spent_today_nanos: _builtins.int
+    reserved_nanos: _builtins.int
     @_builtins.property
     def created_at(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -231,12 +402,38 @@ class Tool(_message.Message):
         id: _builtins.str = ...,
         name: _builtins.str = ...,
         created_at: _timestamp_pb2.Timestamp | None = ...,
+        max_attempts: _builtins.int = ...,
+        backoff_base_seconds: _builtins.int = ...,
+        backoff_max_seconds: _builtins.int = ...,
+        lease_seconds: _builtins.int | None = ...,
+        resource_key: _builtins.str | None = ...,
+        account_group: _builtins.str | None = ...,
+        cost_estimate_nanos: _builtins.int = ...,
+        daily_cap_nanos: _builtins.int | None = ...,
+        paused: _builtins.bool = ...,
+        spent_today_nanos: _builtins.int = ...,
+        reserved_nanos: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_account_group", b"_account_group", "_daily_cap_nanos", b"_daily_cap_nanos", "_lease_seconds", b"_lease_seconds", "_resource_key", b"_resource_key", "account_group", b"account_group", "created_at", b"created_at", "daily_cap_nanos", b"daily_cap_nanos", "lease_seconds", b"lease_seconds", "resource_key", b"resource_key"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "id", b"id", "name", b"name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_account_group", b"_account_group", "_daily_cap_nanos", b"_daily_cap_nanos", "_lease_seconds", b"_lease_seconds", "_resource_key", b"_resource_key", "account_group", b"account_group", "backoff_base_seconds", b"backoff_base_seconds", "backoff_max_seconds", b"backoff_max_seconds", "cost_estimate_nanos", b"cost_estimate_nanos", "created_at", b"created_at", "daily_cap_nanos", b"daily_cap_nanos", "id", b"id", "lease_seconds", b"lease_seconds", "max_attempts", b"max_attempts", "name", b"name", "paused", b"paused", "reserved_nanos", b"reserved_nanos", "resource_key", b"resource_key", "spent_today_nanos", b"spent_today_nanos"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__account_group: _TypeAlias = _typing.Literal["account_group"]  # noqa: Y015
+    _WhichOneofArgType__account_group: _TypeAlias = _typing.Literal["_account_group", b"_account_group"]  # noqa: Y015
+    _WhichOneofReturnType__daily_cap_nanos: _TypeAlias = _typing.Literal["daily_cap_nanos"]  # noqa: Y015
+    _WhichOneofArgType__daily_cap_nanos: _TypeAlias = _typing.Literal["_daily_cap_nanos", b"_daily_cap_nanos"]  # noqa: Y015
+    _WhichOneofReturnType__lease_seconds: _TypeAlias = _typing.Literal["lease_seconds"]  # noqa: Y015
+    _WhichOneofArgType__lease_seconds: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds"]  # noqa: Y015
+    _WhichOneofReturnType__resource_key: _TypeAlias = _typing.Literal["resource_key"]  # noqa: Y015
+    _WhichOneofArgType__resource_key: _TypeAlias = _typing.Literal["_resource_key", b"_resource_key"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__account_group) -> _WhichOneofReturnType__account_group | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__daily_cap_nanos) -> _WhichOneofReturnType__daily_cap_nanos | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__lease_seconds) -> _WhichOneofReturnType__lease_seconds | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__resource_key) -> _WhichOneofReturnType__resource_key | None: ...
 
 Global___Tool: _TypeAlias = Tool  # noqa: Y015
 
@@ -291,6 +488,13 @@ class QueueTaskRequest(_message.Message):
     RESERVED_TOKEN_AMOUNT_FIELD_NUMBER: _builtins.int
     BILLING_IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
     W3C_TRACEPARENT_FIELD_NUMBER: _builtins.int
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
+    ON_CONFLICT_FIELD_NUMBER: _builtins.int
+    RUN_AFTER_FIELD_NUMBER: _builtins.int
+    TTL_FIELD_NUMBER: _builtins.int
+    RESOURCE_KEY_FIELD_NUMBER: _builtins.int
+    ACCOUNT_GROUP_FIELD_NUMBER: _builtins.int
+    COST_ESTIMATE_NANOS_FIELD_NUMBER: _builtins.int
     tool_id: _builtins.str
     priority: _builtins.int
     """-100 to 100; higher is claimed sooner. Default 0."""
@@ -301,8 +505,23 @@ class QueueTaskRequest(_message.Message):
     billing_idempotency_key: _builtins.str
     w3c_traceparent: _builtins.str
     """W3C traceparent of the enqueuing span, continued by the worker."""
+    idempotency_key: _builtins.str
+    """Makes the enqueue idempotent per tool (see on_conflict); at most 512 characters."""
+    on_conflict: Global___OnConflict.ValueType
+    resource_key: _builtins.str
+    """Overrides of the tool's settings for this task."""
+    account_group: _builtins.str
+    cost_estimate_nanos: _builtins.int
     @_builtins.property
     def input(self) -> _struct_pb2.Struct: ...
+    @_builtins.property
+    def run_after(self) -> _timestamp_pb2.Timestamp:
+        """Not before; unset: now."""
+
+    @_builtins.property
+    def ttl(self) -> _duration_pb2.Duration:
+        """Expires this long after run_after if still queued; unset: 7 days; 0: never."""
+
     def __init__(
         self,
         *,
@@ -313,21 +532,83 @@ class QueueTaskRequest(_message.Message):
         reserved_token_amount: _builtins.int = ...,
         billing_idempotency_key: _builtins.str = ...,
         w3c_traceparent: _builtins.str = ...,
+        idempotency_key: _builtins.str = ...,
+        on_conflict: Global___OnConflict.ValueType = ...,
+        run_after: _timestamp_pb2.Timestamp | None = ...,
+        ttl: _duration_pb2.Duration | None = ...,
+        resource_key: _builtins.str = ...,
+        account_group: _builtins.str = ...,
+        cost_estimate_nanos: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "input", b"input", "max_retries", b"max_retries", "priority", b"priority"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cost_estimate_nanos", b"_cost_estimate_nanos", "_max_retries", b"_max_retries", "_priority", b"_priority", "cost_estimate_nanos", b"cost_estimate_nanos", "input", b"input", "max_retries", b"max_retries", "priority", b"priority", "run_after", b"run_after", "ttl", b"ttl"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "billing_idempotency_key", b"billing_idempotency_key", "input", b"input", "max_retries", b"max_retries", "priority", b"priority", "reserved_token_amount", b"reserved_token_amount", "tool_id", b"tool_id", "w3c_traceparent", b"w3c_traceparent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cost_estimate_nanos", b"_cost_estimate_nanos", "_max_retries", b"_max_retries", "_priority", b"_priority", "account_group", b"account_group", "billing_idempotency_key", b"billing_idempotency_key", "cost_estimate_nanos", b"cost_estimate_nanos", "idempotency_key", b"idempotency_key", "input", b"input", "max_retries", b"max_retries", "on_conflict", b"on_conflict", "priority", b"priority", "reserved_token_amount", b"reserved_token_amount", "resource_key", b"resource_key", "run_after", b"run_after", "tool_id", b"tool_id", "ttl", b"ttl", "w3c_traceparent", b"w3c_traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__cost_estimate_nanos: _TypeAlias = _typing.Literal["cost_estimate_nanos"]  # noqa: Y015
+    _WhichOneofArgType__cost_estimate_nanos: _TypeAlias = _typing.Literal["_cost_estimate_nanos", b"_cost_estimate_nanos"]  # noqa: Y015
     _WhichOneofReturnType__max_retries: _TypeAlias = _typing.Literal["max_retries"]  # noqa: Y015
     _WhichOneofArgType__max_retries: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries"]  # noqa: Y015
     _WhichOneofReturnType__priority: _TypeAlias = _typing.Literal["priority"]  # noqa: Y015
     _WhichOneofArgType__priority: _TypeAlias = _typing.Literal["_priority", b"_priority"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cost_estimate_nanos) -> _WhichOneofReturnType__cost_estimate_nanos | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_retries) -> _WhichOneofReturnType__max_retries | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__priority) -> _WhichOneofReturnType__priority | None: ...
 
 Global___QueueTaskRequest: _TypeAlias = QueueTaskRequest  # noqa: Y015
+
+@_typing.final
+class QueueTasksRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOOL_ID_FIELD_NUMBER: _builtins.int
+    TASKS_FIELD_NUMBER: _builtins.int
+    tool_id: _builtins.str
+    @_builtins.property
+    def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___QueueTaskRequest]:
+        """Each as a QueueTask request; their tool_id must be empty or this one. At most 1,000."""
+
+    def __init__(
+        self,
+        *,
+        tool_id: _builtins.str = ...,
+        tasks: _abc.Iterable[Global___QueueTaskRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tasks", b"tasks", "tool_id", b"tool_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___QueueTasksRequest: _TypeAlias = QueueTasksRequest  # noqa: Y015
+
+@_typing.final
+class QueueTasksResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASKS_FIELD_NUMBER: _builtins.int
+    SKIPPED_FIELD_NUMBER: _builtins.int
+    skipped: _builtins.int
+    """Items skipped because their idempotency_key was already used."""
+    @_builtins.property
+    def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___Task]:
+        """The tasks created, in request order."""
+
+    def __init__(
+        self,
+        *,
+        tasks: _abc.Iterable[Global___Task] | None = ...,
+        skipped: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["skipped", b"skipped", "tasks", b"tasks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___QueueTasksResponse: _TypeAlias = QueueTasksResponse  # noqa: Y015
 
 @_typing.final
 class QueueTaskResponse(_message.Message):
@@ -382,8 +663,11 @@ class ClaimNextTaskResponse(_message.Message):
 
     TASK_FIELD_NUMBER: _builtins.int
     LEASE_TOKEN_FIELD_NUMBER: _builtins.int
+    IDLE_REASON_FIELD_NUMBER: _builtins.int
     lease_token: _builtins.str
     """Fences every later write of this claimer: heartbeat, complete and fail must present it."""
+    idle_reason: Global___IdleReason.ValueType
+    """Set when no task was claimed: why."""
     @_builtins.property
     def task(self) -> Global___Task:
         """Unset when there is nothing to claim."""
@@ -393,10 +677,11 @@ class ClaimNextTaskResponse(_message.Message):
         *,
         task: Global___Task | None = ...,
         lease_token: _builtins.str = ...,
+        idle_reason: Global___IdleReason.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_token", b"lease_token", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["idle_reason", b"idle_reason", "lease_token", b"lease_token", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -504,6 +789,8 @@ class FailTaskRequest(_message.Message):
     INCREMENT_RETRY_FIELD_NUMBER: _builtins.int
     PROCESSING_GRACE_SECONDS_FIELD_NUMBER: _builtins.int
     QUEUED_MAX_AGE_SECONDS_FIELD_NUMBER: _builtins.int
+    FAILURE_FIELD_NUMBER: _builtins.int
+    REPORTED_USAGE_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     lease_token: _builtins.str
     """Empty only for the reaper's forced fail (increment_retry = false, task stale right now)."""
@@ -512,6 +799,12 @@ class FailTaskRequest(_message.Message):
     processing_grace_seconds: _builtins.int
     """Staleness thresholds of a forced fail; 0 means the defaults (120 s and 900 s)."""
     queued_max_age_seconds: _builtins.int
+    failure: Global___FailureKind.ValueType
+    """Overrides increment_retry when set."""
+    @_builtins.property
+    def reported_usage(self) -> Global___ReportedUsage:
+        """What the failed run cost; kept even when the lease was lost."""
+
     def __init__(
         self,
         *,
@@ -521,10 +814,12 @@ class FailTaskRequest(_message.Message):
         increment_retry: _builtins.bool = ...,
         processing_grace_seconds: _builtins.int = ...,
         queued_max_age_seconds: _builtins.int = ...,
+        failure: Global___FailureKind.ValueType = ...,
+        reported_usage: Global___ReportedUsage | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["reported_usage", b"reported_usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "increment_retry", b"increment_retry", "lease_token", b"lease_token", "processing_grace_seconds", b"processing_grace_seconds", "queued_max_age_seconds", b"queued_max_age_seconds", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "failure", b"failure", "increment_retry", b"increment_retry", "lease_token", b"lease_token", "processing_grace_seconds", b"processing_grace_seconds", "queued_max_age_seconds", b"queued_max_age_seconds", "reported_usage", b"reported_usage", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -556,21 +851,584 @@ class ReleaseTaskRequest(_message.Message):
 
     TASK_ID_FIELD_NUMBER: _builtins.int
     LEASE_TOKEN_FIELD_NUMBER: _builtins.int
+    COST_NANOS_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     lease_token: _builtins.str
+    cost_nanos: _builtins.int
+    """What the run cost before it stopped, in nanos."""
     def __init__(
         self,
         *,
         task_id: _builtins.str = ...,
         lease_token: _builtins.str = ...,
+        cost_nanos: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_token", b"lease_token", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost_nanos", b"cost_nanos", "lease_token", b"lease_token", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReleaseTaskRequest: _TypeAlias = ReleaseTaskRequest  # noqa: Y015
+
+@_typing.final
+class CancelTaskRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    task_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        task_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["task_id", b"task_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CancelTaskRequest: _TypeAlias = CancelTaskRequest  # noqa: Y015
+
+@_typing.final
+class CancelTaskResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def task(self) -> Global___Task: ...
+    def __init__(
+        self,
+        *,
+        task: Global___Task | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CancelTaskResponse: _TypeAlias = CancelTaskResponse  # noqa: Y015
+
+@_typing.final
+class CancelTasksRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOOL_ID_FIELD_NUMBER: _builtins.int
+    INCLUDE_PROCESSING_FIELD_NUMBER: _builtins.int
+    IDEMPOTENCY_KEY_PREFIX_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    tool_id: _builtins.str
+    include_processing: _builtins.bool
+    """Also cancel running tasks (their workers lose the lease)."""
+    idempotency_key_prefix: _builtins.str
+    """Only tasks whose idempotency key starts with this."""
+    limit: _builtins.int
+    """0 means the default, 1,000; at most 10,000."""
+    def __init__(
+        self,
+        *,
+        tool_id: _builtins.str = ...,
+        include_processing: _builtins.bool = ...,
+        idempotency_key_prefix: _builtins.str = ...,
+        limit: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["idempotency_key_prefix", b"idempotency_key_prefix", "include_processing", b"include_processing", "limit", b"limit", "tool_id", b"tool_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CancelTasksRequest: _TypeAlias = CancelTasksRequest  # noqa: Y015
+
+@_typing.final
+class CancelTasksResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CANCELLED_FIELD_NUMBER: _builtins.int
+    cancelled: _builtins.int
+    def __init__(
+        self,
+        *,
+        cancelled: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancelled", b"cancelled"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CancelTasksResponse: _TypeAlias = CancelTasksResponse  # noqa: Y015
+
+@_typing.final
+class RetryTaskRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    RESERVED_TOKEN_AMOUNT_FIELD_NUMBER: _builtins.int
+    task_id: _builtins.str
+    reserved_token_amount: _builtins.int
+    """The new reservation, used only when the old one was already settled."""
+    def __init__(
+        self,
+        *,
+        task_id: _builtins.str = ...,
+        reserved_token_amount: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reserved_token_amount", b"reserved_token_amount", "task_id", b"task_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RetryTaskRequest: _TypeAlias = RetryTaskRequest  # noqa: Y015
+
+@_typing.final
+class RetryTaskResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def task(self) -> Global___Task: ...
+    def __init__(
+        self,
+        *,
+        task: Global___Task | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RetryTaskResponse: _TypeAlias = RetryTaskResponse  # noqa: Y015
+
+@_typing.final
+class ConfigureToolRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOOL_ID_FIELD_NUMBER: _builtins.int
+    MAX_ATTEMPTS_FIELD_NUMBER: _builtins.int
+    BACKOFF_BASE_SECONDS_FIELD_NUMBER: _builtins.int
+    BACKOFF_MAX_SECONDS_FIELD_NUMBER: _builtins.int
+    LEASE_SECONDS_FIELD_NUMBER: _builtins.int
+    RESOURCE_KEY_FIELD_NUMBER: _builtins.int
+    ACCOUNT_GROUP_FIELD_NUMBER: _builtins.int
+    COST_ESTIMATE_NANOS_FIELD_NUMBER: _builtins.int
+    DAILY_CAP_NANOS_FIELD_NUMBER: _builtins.int
+    PAUSED_FIELD_NUMBER: _builtins.int
+    CLEAR_FIELD_NUMBER: _builtins.int
+    tool_id: _builtins.str
+    max_attempts: _builtins.int
+    backoff_base_seconds: _builtins.int
+    backoff_max_seconds: _builtins.int
+    lease_seconds: _builtins.int
+    resource_key: _builtins.str
+    account_group: _builtins.str
+    cost_estimate_nanos: _builtins.int
+    daily_cap_nanos: _builtins.int
+    paused: _builtins.bool
+    @_builtins.property
+    def clear(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Settings to reset to their default: lease_seconds, resource_key, account_group,
+        daily_cap_nanos.
+        """
+
+    def __init__(
+        self,
+        *,
+        tool_id: _builtins.str = ...,
+        max_attempts: _builtins.int | None = ...,
+        backoff_base_seconds: _builtins.int | None = ...,
+        backoff_max_seconds: _builtins.int | None = ...,
+        lease_seconds: _builtins.int | None = ...,
+        resource_key: _builtins.str | None = ...,
+        account_group: _builtins.str | None = ...,
+        cost_estimate_nanos: _builtins.int | None = ...,
+        daily_cap_nanos: _builtins.int | None = ...,
+        paused: _builtins.bool | None = ...,
+        clear: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_account_group", b"_account_group", "_backoff_base_seconds", b"_backoff_base_seconds", "_backoff_max_seconds", b"_backoff_max_seconds", "_cost_estimate_nanos", b"_cost_estimate_nanos", "_daily_cap_nanos", b"_daily_cap_nanos", "_lease_seconds", b"_lease_seconds", "_max_attempts", b"_max_attempts", "_paused", b"_paused", "_resource_key", b"_resource_key", "account_group", b"account_group", "backoff_base_seconds", b"backoff_base_seconds", "backoff_max_seconds", b"backoff_max_seconds", "cost_estimate_nanos", b"cost_estimate_nanos", "daily_cap_nanos", b"daily_cap_nanos", "lease_seconds", b"lease_seconds", "max_attempts", b"max_attempts", "paused", b"paused", "resource_key", b"resource_key"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_account_group", b"_account_group", "_backoff_base_seconds", b"_backoff_base_seconds", "_backoff_max_seconds", b"_backoff_max_seconds", "_cost_estimate_nanos", b"_cost_estimate_nanos", "_daily_cap_nanos", b"_daily_cap_nanos", "_lease_seconds", b"_lease_seconds", "_max_attempts", b"_max_attempts", "_paused", b"_paused", "_resource_key", b"_resource_key", "account_group", b"account_group", "backoff_base_seconds", b"backoff_base_seconds", "backoff_max_seconds", b"backoff_max_seconds", "clear", b"clear", "cost_estimate_nanos", b"cost_estimate_nanos", "daily_cap_nanos", b"daily_cap_nanos", "lease_seconds", b"lease_seconds", "max_attempts", b"max_attempts", "paused", b"paused", "resource_key", b"resource_key", "tool_id", b"tool_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__account_group: _TypeAlias = _typing.Literal["account_group"]  # noqa: Y015
+    _WhichOneofArgType__account_group: _TypeAlias = _typing.Literal["_account_group", b"_account_group"]  # noqa: Y015
+    _WhichOneofReturnType__backoff_base_seconds: _TypeAlias = _typing.Literal["backoff_base_seconds"]  # noqa: Y015
+    _WhichOneofArgType__backoff_base_seconds: _TypeAlias = _typing.Literal["_backoff_base_seconds", b"_backoff_base_seconds"]  # noqa: Y015
+    _WhichOneofReturnType__backoff_max_seconds: _TypeAlias = _typing.Literal["backoff_max_seconds"]  # noqa: Y015
+    _WhichOneofArgType__backoff_max_seconds: _TypeAlias = _typing.Literal["_backoff_max_seconds", b"_backoff_max_seconds"]  # noqa: Y015
+    _WhichOneofReturnType__cost_estimate_nanos: _TypeAlias = _typing.Literal["cost_estimate_nanos"]  # noqa: Y015
+    _WhichOneofArgType__cost_estimate_nanos: _TypeAlias = _typing.Literal["_cost_estimate_nanos", b"_cost_estimate_nanos"]  # noqa: Y015
+    _WhichOneofReturnType__daily_cap_nanos: _TypeAlias = _typing.Literal["daily_cap_nanos"]  # noqa: Y015
+    _WhichOneofArgType__daily_cap_nanos: _TypeAlias = _typing.Literal["_daily_cap_nanos", b"_daily_cap_nanos"]  # noqa: Y015
+    _WhichOneofReturnType__lease_seconds: _TypeAlias = _typing.Literal["lease_seconds"]  # noqa: Y015
+    _WhichOneofArgType__lease_seconds: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds"]  # noqa: Y015
+    _WhichOneofReturnType__max_attempts: _TypeAlias = _typing.Literal["max_attempts"]  # noqa: Y015
+    _WhichOneofArgType__max_attempts: _TypeAlias = _typing.Literal["_max_attempts", b"_max_attempts"]  # noqa: Y015
+    _WhichOneofReturnType__paused: _TypeAlias = _typing.Literal["paused"]  # noqa: Y015
+    _WhichOneofArgType__paused: _TypeAlias = _typing.Literal["_paused", b"_paused"]  # noqa: Y015
+    _WhichOneofReturnType__resource_key: _TypeAlias = _typing.Literal["resource_key"]  # noqa: Y015
+    _WhichOneofArgType__resource_key: _TypeAlias = _typing.Literal["_resource_key", b"_resource_key"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__account_group) -> _WhichOneofReturnType__account_group | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__backoff_base_seconds) -> _WhichOneofReturnType__backoff_base_seconds | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__backoff_max_seconds) -> _WhichOneofReturnType__backoff_max_seconds | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cost_estimate_nanos) -> _WhichOneofReturnType__cost_estimate_nanos | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__daily_cap_nanos) -> _WhichOneofReturnType__daily_cap_nanos | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__lease_seconds) -> _WhichOneofReturnType__lease_seconds | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_attempts) -> _WhichOneofReturnType__max_attempts | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__paused) -> _WhichOneofReturnType__paused | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__resource_key) -> _WhichOneofReturnType__resource_key | None: ...
+
+Global___ConfigureToolRequest: _TypeAlias = ConfigureToolRequest  # noqa: Y015
+
+@_typing.final
+class ConfigureToolResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOOL_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def tool(self) -> Global___Tool: ...
+    def __init__(
+        self,
+        *,
+        tool: Global___Tool | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["tool", b"tool"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tool", b"tool"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ConfigureToolResponse: _TypeAlias = ConfigureToolResponse  # noqa: Y015
+
+@_typing.final
+class GetToolRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOOL_ID_FIELD_NUMBER: _builtins.int
+    tool_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        tool_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tool_id", b"tool_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetToolRequest: _TypeAlias = GetToolRequest  # noqa: Y015
+
+@_typing.final
+class GetToolResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOOL_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def tool(self) -> Global___Tool: ...
+    def __init__(
+        self,
+        *,
+        tool: Global___Tool | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["tool", b"tool"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tool", b"tool"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetToolResponse: _TypeAlias = GetToolResponse  # noqa: Y015
+
+@_typing.final
+class Settings(_message.Message):
+    """The global settings, today's spend and what the environment overrides."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENABLED_FIELD_NUMBER: _builtins.int
+    DAILY_CAP_NANOS_FIELD_NUMBER: _builtins.int
+    CURRENCY_FIELD_NUMBER: _builtins.int
+    TIMEZONE_FIELD_NUMBER: _builtins.int
+    COOLDOWN_THRESHOLD_FIELD_NUMBER: _builtins.int
+    COOLDOWN_SECONDS_FIELD_NUMBER: _builtins.int
+    ACCOUNT_HOLD_SECONDS_FIELD_NUMBER: _builtins.int
+    RETENTION_DAYS_FIELD_NUMBER: _builtins.int
+    LOCAL_DAY_FIELD_NUMBER: _builtins.int
+    SPENT_TODAY_NANOS_FIELD_NUMBER: _builtins.int
+    RESERVED_NANOS_FIELD_NUMBER: _builtins.int
+    DISABLED_BY_ENVIRONMENT_FIELD_NUMBER: _builtins.int
+    CAP_OVERRIDE_NANOS_FIELD_NUMBER: _builtins.int
+    enabled: _builtins.bool
+    """The kill switch as stored (true: running)."""
+    daily_cap_nanos: _builtins.int
+    """Unset or 0: nothing runs."""
+    currency: _builtins.str
+    """Display only."""
+    timezone: _builtins.str
+    """IANA name; spend counts on this zone's local day."""
+    cooldown_threshold: _builtins.int
+    cooldown_seconds: _builtins.int
+    account_hold_seconds: _builtins.int
+    retention_days: _builtins.int
+    local_day: _builtins.str
+    """The local day and what it has cost so far; what running tasks hold reserved."""
+    spent_today_nanos: _builtins.int
+    reserved_nanos: _builtins.int
+    disabled_by_environment: _builtins.bool
+    """GENQ_DISABLED: off whatever is stored."""
+    cap_override_nanos: _builtins.int
+    """GENQ_DAILY_CAP_NANOS: replaces the stored cap."""
+    def __init__(
+        self,
+        *,
+        enabled: _builtins.bool = ...,
+        daily_cap_nanos: _builtins.int | None = ...,
+        currency: _builtins.str = ...,
+        timezone: _builtins.str = ...,
+        cooldown_threshold: _builtins.int = ...,
+        cooldown_seconds: _builtins.int = ...,
+        account_hold_seconds: _builtins.int = ...,
+        retention_days: _builtins.int = ...,
+        local_day: _builtins.str = ...,
+        spent_today_nanos: _builtins.int = ...,
+        reserved_nanos: _builtins.int = ...,
+        disabled_by_environment: _builtins.bool = ...,
+        cap_override_nanos: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cap_override_nanos", b"_cap_override_nanos", "_daily_cap_nanos", b"_daily_cap_nanos", "cap_override_nanos", b"cap_override_nanos", "daily_cap_nanos", b"daily_cap_nanos"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cap_override_nanos", b"_cap_override_nanos", "_daily_cap_nanos", b"_daily_cap_nanos", "account_hold_seconds", b"account_hold_seconds", "cap_override_nanos", b"cap_override_nanos", "cooldown_seconds", b"cooldown_seconds", "cooldown_threshold", b"cooldown_threshold", "currency", b"currency", "daily_cap_nanos", b"daily_cap_nanos", "disabled_by_environment", b"disabled_by_environment", "enabled", b"enabled", "local_day", b"local_day", "reserved_nanos", b"reserved_nanos", "retention_days", b"retention_days", "spent_today_nanos", b"spent_today_nanos", "timezone", b"timezone"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__cap_override_nanos: _TypeAlias = _typing.Literal["cap_override_nanos"]  # noqa: Y015
+    _WhichOneofArgType__cap_override_nanos: _TypeAlias = _typing.Literal["_cap_override_nanos", b"_cap_override_nanos"]  # noqa: Y015
+    _WhichOneofReturnType__daily_cap_nanos: _TypeAlias = _typing.Literal["daily_cap_nanos"]  # noqa: Y015
+    _WhichOneofArgType__daily_cap_nanos: _TypeAlias = _typing.Literal["_daily_cap_nanos", b"_daily_cap_nanos"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cap_override_nanos) -> _WhichOneofReturnType__cap_override_nanos | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__daily_cap_nanos) -> _WhichOneofReturnType__daily_cap_nanos | None: ...
+
+Global___Settings: _TypeAlias = Settings  # noqa: Y015
+
+@_typing.final
+class UpdateSettingsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENABLED_FIELD_NUMBER: _builtins.int
+    DAILY_CAP_NANOS_FIELD_NUMBER: _builtins.int
+    CURRENCY_FIELD_NUMBER: _builtins.int
+    TIMEZONE_FIELD_NUMBER: _builtins.int
+    COOLDOWN_THRESHOLD_FIELD_NUMBER: _builtins.int
+    COOLDOWN_SECONDS_FIELD_NUMBER: _builtins.int
+    ACCOUNT_HOLD_SECONDS_FIELD_NUMBER: _builtins.int
+    RETENTION_DAYS_FIELD_NUMBER: _builtins.int
+    CLEAR_FIELD_NUMBER: _builtins.int
+    enabled: _builtins.bool
+    daily_cap_nanos: _builtins.int
+    currency: _builtins.str
+    timezone: _builtins.str
+    cooldown_threshold: _builtins.int
+    cooldown_seconds: _builtins.int
+    account_hold_seconds: _builtins.int
+    retention_days: _builtins.int
+    @_builtins.property
+    def clear(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Settings to reset: daily_cap_nanos (then nothing runs)."""
+
+    def __init__(
+        self,
+        *,
+        enabled: _builtins.bool | None = ...,
+        daily_cap_nanos: _builtins.int | None = ...,
+        currency: _builtins.str | None = ...,
+        timezone: _builtins.str | None = ...,
+        cooldown_threshold: _builtins.int | None = ...,
+        cooldown_seconds: _builtins.int | None = ...,
+        account_hold_seconds: _builtins.int | None = ...,
+        retention_days: _builtins.int | None = ...,
+        clear: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_account_hold_seconds", b"_account_hold_seconds", "_cooldown_seconds", b"_cooldown_seconds", "_cooldown_threshold", b"_cooldown_threshold", "_currency", b"_currency", "_daily_cap_nanos", b"_daily_cap_nanos", "_enabled", b"_enabled", "_retention_days", b"_retention_days", "_timezone", b"_timezone", "account_hold_seconds", b"account_hold_seconds", "cooldown_seconds", b"cooldown_seconds", "cooldown_threshold", b"cooldown_threshold", "currency", b"currency", "daily_cap_nanos", b"daily_cap_nanos", "enabled", b"enabled", "retention_days", b"retention_days", "timezone", b"timezone"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_account_hold_seconds", b"_account_hold_seconds", "_cooldown_seconds", b"_cooldown_seconds", "_cooldown_threshold", b"_cooldown_threshold", "_currency", b"_currency", "_daily_cap_nanos", b"_daily_cap_nanos", "_enabled", b"_enabled", "_retention_days", b"_retention_days", "_timezone", b"_timezone", "account_hold_seconds", b"account_hold_seconds", "clear", b"clear", "cooldown_seconds", b"cooldown_seconds", "cooldown_threshold", b"cooldown_threshold", "currency", b"currency", "daily_cap_nanos", b"daily_cap_nanos", "enabled", b"enabled", "retention_days", b"retention_days", "timezone", b"timezone"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__account_hold_seconds: _TypeAlias = _typing.Literal["account_hold_seconds"]  # noqa: Y015
+    _WhichOneofArgType__account_hold_seconds: _TypeAlias = _typing.Literal["_account_hold_seconds", b"_account_hold_seconds"]  # noqa: Y015
+    _WhichOneofReturnType__cooldown_seconds: _TypeAlias = _typing.Literal["cooldown_seconds"]  # noqa: Y015
+    _WhichOneofArgType__cooldown_seconds: _TypeAlias = _typing.Literal["_cooldown_seconds", b"_cooldown_seconds"]  # noqa: Y015
+    _WhichOneofReturnType__cooldown_threshold: _TypeAlias = _typing.Literal["cooldown_threshold"]  # noqa: Y015
+    _WhichOneofArgType__cooldown_threshold: _TypeAlias = _typing.Literal["_cooldown_threshold", b"_cooldown_threshold"]  # noqa: Y015
+    _WhichOneofReturnType__currency: _TypeAlias = _typing.Literal["currency"]  # noqa: Y015
+    _WhichOneofArgType__currency: _TypeAlias = _typing.Literal["_currency", b"_currency"]  # noqa: Y015
+    _WhichOneofReturnType__daily_cap_nanos: _TypeAlias = _typing.Literal["daily_cap_nanos"]  # noqa: Y015
+    _WhichOneofArgType__daily_cap_nanos: _TypeAlias = _typing.Literal["_daily_cap_nanos", b"_daily_cap_nanos"]  # noqa: Y015
+    _WhichOneofReturnType__enabled: _TypeAlias = _typing.Literal["enabled"]  # noqa: Y015
+    _WhichOneofArgType__enabled: _TypeAlias = _typing.Literal["_enabled", b"_enabled"]  # noqa: Y015
+    _WhichOneofReturnType__retention_days: _TypeAlias = _typing.Literal["retention_days"]  # noqa: Y015
+    _WhichOneofArgType__retention_days: _TypeAlias = _typing.Literal["_retention_days", b"_retention_days"]  # noqa: Y015
+    _WhichOneofReturnType__timezone: _TypeAlias = _typing.Literal["timezone"]  # noqa: Y015
+    _WhichOneofArgType__timezone: _TypeAlias = _typing.Literal["_timezone", b"_timezone"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__account_hold_seconds) -> _WhichOneofReturnType__account_hold_seconds | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cooldown_seconds) -> _WhichOneofReturnType__cooldown_seconds | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cooldown_threshold) -> _WhichOneofReturnType__cooldown_threshold | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__currency) -> _WhichOneofReturnType__currency | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__daily_cap_nanos) -> _WhichOneofReturnType__daily_cap_nanos | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__enabled) -> _WhichOneofReturnType__enabled | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__retention_days) -> _WhichOneofReturnType__retention_days | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__timezone) -> _WhichOneofReturnType__timezone | None: ...
+
+Global___UpdateSettingsRequest: _TypeAlias = UpdateSettingsRequest  # noqa: Y015
+
+@_typing.final
+class UpdateSettingsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SETTINGS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def settings(self) -> Global___Settings: ...
+    def __init__(
+        self,
+        *,
+        settings: Global___Settings | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["settings", b"settings"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["settings", b"settings"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdateSettingsResponse: _TypeAlias = UpdateSettingsResponse  # noqa: Y015
+
+@_typing.final
+class GetSettingsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetSettingsRequest: _TypeAlias = GetSettingsRequest  # noqa: Y015
+
+@_typing.final
+class GetSettingsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SETTINGS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def settings(self) -> Global___Settings: ...
+    def __init__(
+        self,
+        *,
+        settings: Global___Settings | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["settings", b"settings"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["settings", b"settings"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetSettingsResponse: _TypeAlias = GetSettingsResponse  # noqa: Y015
+
+@_typing.final
+class ReleaseCooldownRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESOURCE_KEY_FIELD_NUMBER: _builtins.int
+    resource_key: _builtins.str
+    def __init__(
+        self,
+        *,
+        resource_key: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["resource_key", b"resource_key"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseCooldownRequest: _TypeAlias = ReleaseCooldownRequest  # noqa: Y015
+
+@_typing.final
+class ReleaseCooldownResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RELEASED_FIELD_NUMBER: _builtins.int
+    released: _builtins.bool
+    def __init__(
+        self,
+        *,
+        released: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["released", b"released"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseCooldownResponse: _TypeAlias = ReleaseCooldownResponse  # noqa: Y015
+
+@_typing.final
+class ReleaseHoldRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACCOUNT_GROUP_FIELD_NUMBER: _builtins.int
+    account_group: _builtins.str
+    def __init__(
+        self,
+        *,
+        account_group: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["account_group", b"account_group"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseHoldRequest: _TypeAlias = ReleaseHoldRequest  # noqa: Y015
+
+@_typing.final
+class ReleaseHoldResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RELEASED_FIELD_NUMBER: _builtins.int
+    released: _builtins.bool
+    def __init__(
+        self,
+        *,
+        released: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["released", b"released"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseHoldResponse: _TypeAlias = ReleaseHoldResponse  # noqa: Y015
 
 @_typing.final
 class ReleaseTaskResponse(_message.Message):
@@ -904,12 +1762,15 @@ class Settlement(_message.Message):
     CHARGED_TOKEN_AMOUNT_FIELD_NUMBER: _builtins.int
     REFUNDED_TOKEN_AMOUNT_FIELD_NUMBER: _builtins.int
     SETTLED_AT_FIELD_NUMBER: _builtins.int
+    SETTLEMENT_ROUND_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     task_status: Global___TaskStatus.ValueType
-    """The terminal status it settled: COMPLETED (charged) or FAILED (refunded)."""
+    """The terminal status it settled: COMPLETED (charged), else refunded."""
     reserved_token_amount: _builtins.int
     charged_token_amount: _builtins.int
     refunded_token_amount: _builtins.int
+    settlement_round: _builtins.int
+    """1, then one more each time a settled task is queued again (RetryTask, REQUEUE)."""
     @_builtins.property
     def settled_at(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -921,10 +1782,11 @@ class Settlement(_message.Message):
         charged_token_amount: _builtins.int = ...,
         refunded_token_amount: _builtins.int = ...,
         settled_at: _timestamp_pb2.Timestamp | None = ...,
+        settlement_round: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["settled_at", b"settled_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["charged_token_amount", b"charged_token_amount", "refunded_token_amount", b"refunded_token_amount", "reserved_token_amount", b"reserved_token_amount", "settled_at", b"settled_at", "task_id", b"task_id", "task_status", b"task_status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["charged_token_amount", b"charged_token_amount", "refunded_token_amount", b"refunded_token_amount", "reserved_token_amount", b"reserved_token_amount", "settled_at", b"settled_at", "settlement_round", b"settlement_round", "task_id", b"task_id", "task_status", b"task_status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

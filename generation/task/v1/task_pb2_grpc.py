@@ -49,6 +49,11 @@ class GenerationDataServiceStub:
                 request_serializer=generation_dot_task_dot_v1_dot_task__pb2.QueueTaskRequest.SerializeToString,
                 response_deserializer=generation_dot_task_dot_v1_dot_task__pb2.QueueTaskResponse.FromString,
                 _registered_method=True)
+        self.QueueTasks = channel.unary_unary(
+                '/generation.task.v1.GenerationDataService/QueueTasks',
+                request_serializer=generation_dot_task_dot_v1_dot_task__pb2.QueueTasksRequest.SerializeToString,
+                response_deserializer=generation_dot_task_dot_v1_dot_task__pb2.QueueTasksResponse.FromString,
+                _registered_method=True)
         self.ClaimNextTask = channel.unary_unary(
                 '/generation.task.v1.GenerationDataService/ClaimNextTask',
                 request_serializer=generation_dot_task_dot_v1_dot_task__pb2.ClaimNextTaskRequest.SerializeToString,
@@ -73,6 +78,51 @@ class GenerationDataServiceStub:
                 '/generation.task.v1.GenerationDataService/ReleaseTask',
                 request_serializer=generation_dot_task_dot_v1_dot_task__pb2.ReleaseTaskRequest.SerializeToString,
                 response_deserializer=generation_dot_task_dot_v1_dot_task__pb2.ReleaseTaskResponse.FromString,
+                _registered_method=True)
+        self.CancelTask = channel.unary_unary(
+                '/generation.task.v1.GenerationDataService/CancelTask',
+                request_serializer=generation_dot_task_dot_v1_dot_task__pb2.CancelTaskRequest.SerializeToString,
+                response_deserializer=generation_dot_task_dot_v1_dot_task__pb2.CancelTaskResponse.FromString,
+                _registered_method=True)
+        self.CancelTasks = channel.unary_unary(
+                '/generation.task.v1.GenerationDataService/CancelTasks',
+                request_serializer=generation_dot_task_dot_v1_dot_task__pb2.CancelTasksRequest.SerializeToString,
+                response_deserializer=generation_dot_task_dot_v1_dot_task__pb2.CancelTasksResponse.FromString,
+                _registered_method=True)
+        self.RetryTask = channel.unary_unary(
+                '/generation.task.v1.GenerationDataService/RetryTask',
+                request_serializer=generation_dot_task_dot_v1_dot_task__pb2.RetryTaskRequest.SerializeToString,
+                response_deserializer=generation_dot_task_dot_v1_dot_task__pb2.RetryTaskResponse.FromString,
+                _registered_method=True)
+        self.ConfigureTool = channel.unary_unary(
+                '/generation.task.v1.GenerationDataService/ConfigureTool',
+                request_serializer=generation_dot_task_dot_v1_dot_task__pb2.ConfigureToolRequest.SerializeToString,
+                response_deserializer=generation_dot_task_dot_v1_dot_task__pb2.ConfigureToolResponse.FromString,
+                _registered_method=True)
+        self.GetTool = channel.unary_unary(
+                '/generation.task.v1.GenerationDataService/GetTool',
+                request_serializer=generation_dot_task_dot_v1_dot_task__pb2.GetToolRequest.SerializeToString,
+                response_deserializer=generation_dot_task_dot_v1_dot_task__pb2.GetToolResponse.FromString,
+                _registered_method=True)
+        self.UpdateSettings = channel.unary_unary(
+                '/generation.task.v1.GenerationDataService/UpdateSettings',
+                request_serializer=generation_dot_task_dot_v1_dot_task__pb2.UpdateSettingsRequest.SerializeToString,
+                response_deserializer=generation_dot_task_dot_v1_dot_task__pb2.UpdateSettingsResponse.FromString,
+                _registered_method=True)
+        self.GetSettings = channel.unary_unary(
+                '/generation.task.v1.GenerationDataService/GetSettings',
+                request_serializer=generation_dot_task_dot_v1_dot_task__pb2.GetSettingsRequest.SerializeToString,
+                response_deserializer=generation_dot_task_dot_v1_dot_task__pb2.GetSettingsResponse.FromString,
+                _registered_method=True)
+        self.ReleaseCooldown = channel.unary_unary(
+                '/generation.task.v1.GenerationDataService/ReleaseCooldown',
+                request_serializer=generation_dot_task_dot_v1_dot_task__pb2.ReleaseCooldownRequest.SerializeToString,
+                response_deserializer=generation_dot_task_dot_v1_dot_task__pb2.ReleaseCooldownResponse.FromString,
+                _registered_method=True)
+        self.ReleaseHold = channel.unary_unary(
+                '/generation.task.v1.GenerationDataService/ReleaseHold',
+                request_serializer=generation_dot_task_dot_v1_dot_task__pb2.ReleaseHoldRequest.SerializeToString,
+                response_deserializer=generation_dot_task_dot_v1_dot_task__pb2.ReleaseHoldResponse.FromString,
                 _registered_method=True)
         self.ListStaleTasks = channel.unary_unary(
                 '/generation.task.v1.GenerationDataService/ListStaleTasks',
@@ -122,7 +172,19 @@ class GenerationDataServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def QueueTask(self, request, context):
-        """Enqueues one task: a single INSERT. An unknown tool_id is NOT_FOUND.
+        """Enqueues one task: a single INSERT. An unknown tool_id is NOT_FOUND. With an
+        idempotency_key already used for the tool: the same input answers with the existing task
+        (on_conflict RETURN) or runs a finished one again (REQUEUE); a different input is
+        ALREADY_EXISTS. The conflict path writes a no-op update because that returns the row even
+        when a concurrent duplicate committed after this statement's snapshot.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def QueueTasks(self, request, context):
+        """Enqueues many tasks of one tool in one statement. Items whose idempotency_key is already
+        used are skipped (their tasks are not returned).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -173,6 +235,74 @@ class GenerationDataServiceServicer:
     def ReleaseTask(self, request, context):
         """Hands a held task back to the queue without using an attempt: a worker that stops on purpose
         (SIGTERM drain) releases what it could not finish. Appends a `requeued` event.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelTask(self, request, context):
+        """Cancels a task that has not finished: a queued one never runs; a running one loses its
+        lease (the worker's next heartbeat or report is LEASE_LOST) and its reservation is released.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelTasks(self, request, context):
+        """Cancels, oldest first, up to `limit` queued tasks of a tool (and running ones with
+        include_processing), optionally only those whose idempotency key starts with a prefix.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RetryTask(self, request, context):
+        """Queues a failed, cancelled or expired task again with fresh retries. If its reservation was
+        already settled, the task starts a new settlement round with the reservation given here.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ConfigureTool(self, request, context):
+        """Changes a tool's settings; fields left unset keep their value, names in `clear` go back to
+        the default.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTool(self, request, context):
+        """Reads a tool: its settings and today's spend.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateSettings(self, request, context):
+        """Changes the global settings: the kill switch, the daily cap, the local day's time zone,
+        cooldowns, holds, retention. Fields left unset keep their value.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSettings(self, request, context):
+        """Reads the global settings and today's spend.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseCooldown(self, request, context):
+        """Ends a resource key's cooldown now.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseHold(self, request, context):
+        """Ends an account group's hold now.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -239,6 +369,11 @@ def add_GenerationDataServiceServicer_to_server(servicer, server):
                     request_deserializer=generation_dot_task_dot_v1_dot_task__pb2.QueueTaskRequest.FromString,
                     response_serializer=generation_dot_task_dot_v1_dot_task__pb2.QueueTaskResponse.SerializeToString,
             ),
+            'QueueTasks': grpc.unary_unary_rpc_method_handler(
+                    servicer.QueueTasks,
+                    request_deserializer=generation_dot_task_dot_v1_dot_task__pb2.QueueTasksRequest.FromString,
+                    response_serializer=generation_dot_task_dot_v1_dot_task__pb2.QueueTasksResponse.SerializeToString,
+            ),
             'ClaimNextTask': grpc.unary_unary_rpc_method_handler(
                     servicer.ClaimNextTask,
                     request_deserializer=generation_dot_task_dot_v1_dot_task__pb2.ClaimNextTaskRequest.FromString,
@@ -263,6 +398,51 @@ def add_GenerationDataServiceServicer_to_server(servicer, server):
                     servicer.ReleaseTask,
                     request_deserializer=generation_dot_task_dot_v1_dot_task__pb2.ReleaseTaskRequest.FromString,
                     response_serializer=generation_dot_task_dot_v1_dot_task__pb2.ReleaseTaskResponse.SerializeToString,
+            ),
+            'CancelTask': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelTask,
+                    request_deserializer=generation_dot_task_dot_v1_dot_task__pb2.CancelTaskRequest.FromString,
+                    response_serializer=generation_dot_task_dot_v1_dot_task__pb2.CancelTaskResponse.SerializeToString,
+            ),
+            'CancelTasks': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelTasks,
+                    request_deserializer=generation_dot_task_dot_v1_dot_task__pb2.CancelTasksRequest.FromString,
+                    response_serializer=generation_dot_task_dot_v1_dot_task__pb2.CancelTasksResponse.SerializeToString,
+            ),
+            'RetryTask': grpc.unary_unary_rpc_method_handler(
+                    servicer.RetryTask,
+                    request_deserializer=generation_dot_task_dot_v1_dot_task__pb2.RetryTaskRequest.FromString,
+                    response_serializer=generation_dot_task_dot_v1_dot_task__pb2.RetryTaskResponse.SerializeToString,
+            ),
+            'ConfigureTool': grpc.unary_unary_rpc_method_handler(
+                    servicer.ConfigureTool,
+                    request_deserializer=generation_dot_task_dot_v1_dot_task__pb2.ConfigureToolRequest.FromString,
+                    response_serializer=generation_dot_task_dot_v1_dot_task__pb2.ConfigureToolResponse.SerializeToString,
+            ),
+            'GetTool': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTool,
+                    request_deserializer=generation_dot_task_dot_v1_dot_task__pb2.GetToolRequest.FromString,
+                    response_serializer=generation_dot_task_dot_v1_dot_task__pb2.GetToolResponse.SerializeToString,
+            ),
+            'UpdateSettings': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateSettings,
+                    request_deserializer=generation_dot_task_dot_v1_dot_task__pb2.UpdateSettingsRequest.FromString,
+                    response_serializer=generation_dot_task_dot_v1_dot_task__pb2.UpdateSettingsResponse.SerializeToString,
+            ),
+            'GetSettings': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSettings,
+                    request_deserializer=generation_dot_task_dot_v1_dot_task__pb2.GetSettingsRequest.FromString,
+                    response_serializer=generation_dot_task_dot_v1_dot_task__pb2.GetSettingsResponse.SerializeToString,
+            ),
+            'ReleaseCooldown': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseCooldown,
+                    request_deserializer=generation_dot_task_dot_v1_dot_task__pb2.ReleaseCooldownRequest.FromString,
+                    response_serializer=generation_dot_task_dot_v1_dot_task__pb2.ReleaseCooldownResponse.SerializeToString,
+            ),
+            'ReleaseHold': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseHold,
+                    request_deserializer=generation_dot_task_dot_v1_dot_task__pb2.ReleaseHoldRequest.FromString,
+                    response_serializer=generation_dot_task_dot_v1_dot_task__pb2.ReleaseHoldResponse.SerializeToString,
             ),
             'ListStaleTasks': grpc.unary_unary_rpc_method_handler(
                     servicer.ListStaleTasks,
@@ -354,6 +534,33 @@ class GenerationDataService:
             '/generation.task.v1.GenerationDataService/QueueTask',
             generation_dot_task_dot_v1_dot_task__pb2.QueueTaskRequest.SerializeToString,
             generation_dot_task_dot_v1_dot_task__pb2.QueueTaskResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def QueueTasks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/generation.task.v1.GenerationDataService/QueueTasks',
+            generation_dot_task_dot_v1_dot_task__pb2.QueueTasksRequest.SerializeToString,
+            generation_dot_task_dot_v1_dot_task__pb2.QueueTasksResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -489,6 +696,249 @@ class GenerationDataService:
             '/generation.task.v1.GenerationDataService/ReleaseTask',
             generation_dot_task_dot_v1_dot_task__pb2.ReleaseTaskRequest.SerializeToString,
             generation_dot_task_dot_v1_dot_task__pb2.ReleaseTaskResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelTask(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/generation.task.v1.GenerationDataService/CancelTask',
+            generation_dot_task_dot_v1_dot_task__pb2.CancelTaskRequest.SerializeToString,
+            generation_dot_task_dot_v1_dot_task__pb2.CancelTaskResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelTasks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/generation.task.v1.GenerationDataService/CancelTasks',
+            generation_dot_task_dot_v1_dot_task__pb2.CancelTasksRequest.SerializeToString,
+            generation_dot_task_dot_v1_dot_task__pb2.CancelTasksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RetryTask(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/generation.task.v1.GenerationDataService/RetryTask',
+            generation_dot_task_dot_v1_dot_task__pb2.RetryTaskRequest.SerializeToString,
+            generation_dot_task_dot_v1_dot_task__pb2.RetryTaskResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ConfigureTool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/generation.task.v1.GenerationDataService/ConfigureTool',
+            generation_dot_task_dot_v1_dot_task__pb2.ConfigureToolRequest.SerializeToString,
+            generation_dot_task_dot_v1_dot_task__pb2.ConfigureToolResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/generation.task.v1.GenerationDataService/GetTool',
+            generation_dot_task_dot_v1_dot_task__pb2.GetToolRequest.SerializeToString,
+            generation_dot_task_dot_v1_dot_task__pb2.GetToolResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateSettings(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/generation.task.v1.GenerationDataService/UpdateSettings',
+            generation_dot_task_dot_v1_dot_task__pb2.UpdateSettingsRequest.SerializeToString,
+            generation_dot_task_dot_v1_dot_task__pb2.UpdateSettingsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSettings(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/generation.task.v1.GenerationDataService/GetSettings',
+            generation_dot_task_dot_v1_dot_task__pb2.GetSettingsRequest.SerializeToString,
+            generation_dot_task_dot_v1_dot_task__pb2.GetSettingsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseCooldown(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/generation.task.v1.GenerationDataService/ReleaseCooldown',
+            generation_dot_task_dot_v1_dot_task__pb2.ReleaseCooldownRequest.SerializeToString,
+            generation_dot_task_dot_v1_dot_task__pb2.ReleaseCooldownResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseHold(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/generation.task.v1.GenerationDataService/ReleaseHold',
+            generation_dot_task_dot_v1_dot_task__pb2.ReleaseHoldRequest.SerializeToString,
+            generation_dot_task_dot_v1_dot_task__pb2.ReleaseHoldResponse.FromString,
             options,
             channel_credentials,
             insecure,

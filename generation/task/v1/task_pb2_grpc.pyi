@@ -41,7 +41,16 @@ class GenerationDataServiceStub:
     UpsertTool: _grpc.UnaryUnaryMultiCallable[_task_pb2.UpsertToolRequest, _task_pb2.UpsertToolResponse]
     """Registers a tool (a worker pool) by name and returns it; idempotent."""
     QueueTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.QueueTaskRequest, _task_pb2.QueueTaskResponse]
-    """Enqueues one task: a single INSERT. An unknown tool_id is NOT_FOUND."""
+    """Enqueues one task: a single INSERT. An unknown tool_id is NOT_FOUND. With an
+    idempotency_key already used for the tool: the same input answers with the existing task
+    (on_conflict RETURN) or runs a finished one again (REQUEUE); a different input is
+    ALREADY_EXISTS. The conflict path writes a no-op update because that returns the row even
+    when a concurrent duplicate committed after this statement's snapshot.
+    """
+    QueueTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.QueueTasksRequest, _task_pb2.QueueTasksResponse]
+    """Enqueues many tasks of one tool in one statement. Items whose idempotency_key is already
+    used are skipped (their tasks are not returned).
+    """
     ClaimNextTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.ClaimNextTaskRequest, _task_pb2.ClaimNextTaskResponse]
     """Claims the next task of a tool: one UPDATE whose target is picked by a locked sub-select.
     With `wait`, a claim that finds nothing parks in the service until a task for the tool is
@@ -72,6 +81,34 @@ class GenerationDataServiceStub:
     """Hands a held task back to the queue without using an attempt: a worker that stops on purpose
     (SIGTERM drain) releases what it could not finish. Appends a `requeued` event.
     """
+    CancelTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.CancelTaskRequest, _task_pb2.CancelTaskResponse]
+    """Cancels a task that has not finished: a queued one never runs; a running one loses its
+    lease (the worker's next heartbeat or report is LEASE_LOST) and its reservation is released.
+    """
+    CancelTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.CancelTasksRequest, _task_pb2.CancelTasksResponse]
+    """Cancels, oldest first, up to `limit` queued tasks of a tool (and running ones with
+    include_processing), optionally only those whose idempotency key starts with a prefix.
+    """
+    RetryTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.RetryTaskRequest, _task_pb2.RetryTaskResponse]
+    """Queues a failed, cancelled or expired task again with fresh retries. If its reservation was
+    already settled, the task starts a new settlement round with the reservation given here.
+    """
+    ConfigureTool: _grpc.UnaryUnaryMultiCallable[_task_pb2.ConfigureToolRequest, _task_pb2.ConfigureToolResponse]
+    """Changes a tool's settings; fields left unset keep their value, names in `clear` go back to
+    the default.
+    """
+    GetTool: _grpc.UnaryUnaryMultiCallable[_task_pb2.GetToolRequest, _task_pb2.GetToolResponse]
+    """Reads a tool: its settings and today's spend."""
+    UpdateSettings: _grpc.UnaryUnaryMultiCallable[_task_pb2.UpdateSettingsRequest, _task_pb2.UpdateSettingsResponse]
+    """Changes the global settings: the kill switch, the daily cap, the local day's time zone,
+    cooldowns, holds, retention. Fields left unset keep their value.
+    """
+    GetSettings: _grpc.UnaryUnaryMultiCallable[_task_pb2.GetSettingsRequest, _task_pb2.GetSettingsResponse]
+    """Reads the global settings and today's spend."""
+    ReleaseCooldown: _grpc.UnaryUnaryMultiCallable[_task_pb2.ReleaseCooldownRequest, _task_pb2.ReleaseCooldownResponse]
+    """Ends a resource key's cooldown now."""
+    ReleaseHold: _grpc.UnaryUnaryMultiCallable[_task_pb2.ReleaseHoldRequest, _task_pb2.ReleaseHoldResponse]
+    """Ends an account group's hold now."""
     ListStaleTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.ListStaleTasksRequest, _task_pb2.ListStaleTasksResponse]
     """The watchdog's list: tasks that can never finish on their own (see StaleReason)."""
     GetTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.GetTaskRequest, _task_pb2.GetTaskResponse]
@@ -106,7 +143,16 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     UpsertTool: _aio.UnaryUnaryMultiCallable[_task_pb2.UpsertToolRequest, _task_pb2.UpsertToolResponse]  # type: ignore[assignment]
     """Registers a tool (a worker pool) by name and returns it; idempotent."""
     QueueTask: _aio.UnaryUnaryMultiCallable[_task_pb2.QueueTaskRequest, _task_pb2.QueueTaskResponse]  # type: ignore[assignment]
-    """Enqueues one task: a single INSERT. An unknown tool_id is NOT_FOUND."""
+    """Enqueues one task: a single INSERT. An unknown tool_id is NOT_FOUND. With an
+    idempotency_key already used for the tool: the same input answers with the existing task
+    (on_conflict RETURN) or runs a finished one again (REQUEUE); a different input is
+    ALREADY_EXISTS. The conflict path writes a no-op update because that returns the row even
+    when a concurrent duplicate committed after this statement's snapshot.
+    """
+    QueueTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.QueueTasksRequest, _task_pb2.QueueTasksResponse]  # type: ignore[assignment]
+    """Enqueues many tasks of one tool in one statement. Items whose idempotency_key is already
+    used are skipped (their tasks are not returned).
+    """
     ClaimNextTask: _aio.UnaryUnaryMultiCallable[_task_pb2.ClaimNextTaskRequest, _task_pb2.ClaimNextTaskResponse]  # type: ignore[assignment]
     """Claims the next task of a tool: one UPDATE whose target is picked by a locked sub-select.
     With `wait`, a claim that finds nothing parks in the service until a task for the tool is
@@ -137,6 +183,34 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     """Hands a held task back to the queue without using an attempt: a worker that stops on purpose
     (SIGTERM drain) releases what it could not finish. Appends a `requeued` event.
     """
+    CancelTask: _aio.UnaryUnaryMultiCallable[_task_pb2.CancelTaskRequest, _task_pb2.CancelTaskResponse]  # type: ignore[assignment]
+    """Cancels a task that has not finished: a queued one never runs; a running one loses its
+    lease (the worker's next heartbeat or report is LEASE_LOST) and its reservation is released.
+    """
+    CancelTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.CancelTasksRequest, _task_pb2.CancelTasksResponse]  # type: ignore[assignment]
+    """Cancels, oldest first, up to `limit` queued tasks of a tool (and running ones with
+    include_processing), optionally only those whose idempotency key starts with a prefix.
+    """
+    RetryTask: _aio.UnaryUnaryMultiCallable[_task_pb2.RetryTaskRequest, _task_pb2.RetryTaskResponse]  # type: ignore[assignment]
+    """Queues a failed, cancelled or expired task again with fresh retries. If its reservation was
+    already settled, the task starts a new settlement round with the reservation given here.
+    """
+    ConfigureTool: _aio.UnaryUnaryMultiCallable[_task_pb2.ConfigureToolRequest, _task_pb2.ConfigureToolResponse]  # type: ignore[assignment]
+    """Changes a tool's settings; fields left unset keep their value, names in `clear` go back to
+    the default.
+    """
+    GetTool: _aio.UnaryUnaryMultiCallable[_task_pb2.GetToolRequest, _task_pb2.GetToolResponse]  # type: ignore[assignment]
+    """Reads a tool: its settings and today's spend."""
+    UpdateSettings: _aio.UnaryUnaryMultiCallable[_task_pb2.UpdateSettingsRequest, _task_pb2.UpdateSettingsResponse]  # type: ignore[assignment]
+    """Changes the global settings: the kill switch, the daily cap, the local day's time zone,
+    cooldowns, holds, retention. Fields left unset keep their value.
+    """
+    GetSettings: _aio.UnaryUnaryMultiCallable[_task_pb2.GetSettingsRequest, _task_pb2.GetSettingsResponse]  # type: ignore[assignment]
+    """Reads the global settings and today's spend."""
+    ReleaseCooldown: _aio.UnaryUnaryMultiCallable[_task_pb2.ReleaseCooldownRequest, _task_pb2.ReleaseCooldownResponse]  # type: ignore[assignment]
+    """Ends a resource key's cooldown now."""
+    ReleaseHold: _aio.UnaryUnaryMultiCallable[_task_pb2.ReleaseHoldRequest, _task_pb2.ReleaseHoldResponse]  # type: ignore[assignment]
+    """Ends an account group's hold now."""
     ListStaleTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.ListStaleTasksRequest, _task_pb2.ListStaleTasksResponse]  # type: ignore[assignment]
     """The watchdog's list: tasks that can never finish on their own (see StaleReason)."""
     GetTask: _aio.UnaryUnaryMultiCallable[_task_pb2.GetTaskRequest, _task_pb2.GetTaskResponse]  # type: ignore[assignment]
@@ -180,7 +254,22 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _task_pb2.QueueTaskRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.QueueTaskResponse, _abc.Awaitable[_task_pb2.QueueTaskResponse]]:
-        """Enqueues one task: a single INSERT. An unknown tool_id is NOT_FOUND."""
+        """Enqueues one task: a single INSERT. An unknown tool_id is NOT_FOUND. With an
+        idempotency_key already used for the tool: the same input answers with the existing task
+        (on_conflict RETURN) or runs a finished one again (REQUEUE); a different input is
+        ALREADY_EXISTS. The conflict path writes a no-op update because that returns the row even
+        when a concurrent duplicate committed after this statement's snapshot.
+        """
+
+    @_abc_1.abstractmethod
+    def QueueTasks(
+        self,
+        request: _task_pb2.QueueTasksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_task_pb2.QueueTasksResponse, _abc.Awaitable[_task_pb2.QueueTasksResponse]]:
+        """Enqueues many tasks of one tool in one statement. Items whose idempotency_key is already
+        used are skipped (their tasks are not returned).
+        """
 
     @_abc_1.abstractmethod
     def ClaimNextTask(
@@ -241,6 +330,88 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         """Hands a held task back to the queue without using an attempt: a worker that stops on purpose
         (SIGTERM drain) releases what it could not finish. Appends a `requeued` event.
         """
+
+    @_abc_1.abstractmethod
+    def CancelTask(
+        self,
+        request: _task_pb2.CancelTaskRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_task_pb2.CancelTaskResponse, _abc.Awaitable[_task_pb2.CancelTaskResponse]]:
+        """Cancels a task that has not finished: a queued one never runs; a running one loses its
+        lease (the worker's next heartbeat or report is LEASE_LOST) and its reservation is released.
+        """
+
+    @_abc_1.abstractmethod
+    def CancelTasks(
+        self,
+        request: _task_pb2.CancelTasksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_task_pb2.CancelTasksResponse, _abc.Awaitable[_task_pb2.CancelTasksResponse]]:
+        """Cancels, oldest first, up to `limit` queued tasks of a tool (and running ones with
+        include_processing), optionally only those whose idempotency key starts with a prefix.
+        """
+
+    @_abc_1.abstractmethod
+    def RetryTask(
+        self,
+        request: _task_pb2.RetryTaskRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_task_pb2.RetryTaskResponse, _abc.Awaitable[_task_pb2.RetryTaskResponse]]:
+        """Queues a failed, cancelled or expired task again with fresh retries. If its reservation was
+        already settled, the task starts a new settlement round with the reservation given here.
+        """
+
+    @_abc_1.abstractmethod
+    def ConfigureTool(
+        self,
+        request: _task_pb2.ConfigureToolRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_task_pb2.ConfigureToolResponse, _abc.Awaitable[_task_pb2.ConfigureToolResponse]]:
+        """Changes a tool's settings; fields left unset keep their value, names in `clear` go back to
+        the default.
+        """
+
+    @_abc_1.abstractmethod
+    def GetTool(
+        self,
+        request: _task_pb2.GetToolRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_task_pb2.GetToolResponse, _abc.Awaitable[_task_pb2.GetToolResponse]]:
+        """Reads a tool: its settings and today's spend."""
+
+    @_abc_1.abstractmethod
+    def UpdateSettings(
+        self,
+        request: _task_pb2.UpdateSettingsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_task_pb2.UpdateSettingsResponse, _abc.Awaitable[_task_pb2.UpdateSettingsResponse]]:
+        """Changes the global settings: the kill switch, the daily cap, the local day's time zone,
+        cooldowns, holds, retention. Fields left unset keep their value.
+        """
+
+    @_abc_1.abstractmethod
+    def GetSettings(
+        self,
+        request: _task_pb2.GetSettingsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_task_pb2.GetSettingsResponse, _abc.Awaitable[_task_pb2.GetSettingsResponse]]:
+        """Reads the global settings and today's spend."""
+
+    @_abc_1.abstractmethod
+    def ReleaseCooldown(
+        self,
+        request: _task_pb2.ReleaseCooldownRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_task_pb2.ReleaseCooldownResponse, _abc.Awaitable[_task_pb2.ReleaseCooldownResponse]]:
+        """Ends a resource key's cooldown now."""
+
+    @_abc_1.abstractmethod
+    def ReleaseHold(
+        self,
+        request: _task_pb2.ReleaseHoldRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_task_pb2.ReleaseHoldResponse, _abc.Awaitable[_task_pb2.ReleaseHoldResponse]]:
+        """Ends an account group's hold now."""
 
     @_abc_1.abstractmethod
     def ListStaleTasks(
