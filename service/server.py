@@ -42,9 +42,13 @@ async def watch_health(database: Database, health_servicer: health.aio.HealthSer
 
 
 async def serve(
-    settings: Settings, database_url: str, ready: Callable[[int], None] | None = None
+    settings: Settings,
+    database_url: str,
+    ready: Callable[[int], None] | None = None,
+    stop: asyncio.Event | None = None,
 ) -> None:
-    """Serves until SIGTERM or SIGINT, then stops taking calls and lets those in flight finish."""
+    """Serves until SIGTERM or SIGINT (or `stop` is set, when given), then stops taking calls
+    and lets those in flight finish."""
     database = Database(database_url, settings)
     await database.open()
     server = grpc.aio.server(
@@ -66,10 +70,10 @@ async def serve(
     if ready:
         ready(port)
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    if stop is None:
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     background = [
         asyncio.create_task(watch_health(database, health_servicer)),
         asyncio.create_task(housekeeping.run(database, signals, settings)),

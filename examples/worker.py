@@ -1,0 +1,74 @@
+"""A stand-in generation tool: "image-gen" pretends to render an image.
+
+    GENQ_ADDR=localhost:50051 python examples/worker.py
+
+It sleeps through a few steps, publishing progress after each, reports what the render cost,
+and returns a made-up image URL. Task input: {"prompt": "...", "seconds": 3.0}. SIGTERM or
+Ctrl-C drains it (see workers_sdk.fleet).
+
+Environment (each with its default):
+    GENQ_ADDR (localhost:50051)          the data plane
+    GENQ_TOOL (image-gen)                the tool name this worker hosts
+    GENQ_CONCURRENCY (4)                 renders at once
+    GENQ_POLL_INTERVAL (2.0)             seconds an idle claim parks in the service
+    GENQ_HEARTBEAT_INTERVAL (60)         seconds between lease heartbeats
+    GENQ_DRAIN_TIMEOUT (30)              seconds in-flight renders get on SIGTERM
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from typing import Any
+
+from generation.task.v1 import task_pb2
+from workers_sdk import PermanentError, TaskContext, WorkerFleet
+
+STEPS = 5
+PRICE_TOKENS = 10
+"""User tokens charged per image (at most the task's reservation, settled by the reconciler)."""
+COST_NANOS_PER_SECOND = 2_000_000
+"""What the pretend provider charges the operator: 0.002 currency units per second of render."""
+
+WORKER = f"{socket.gethostname()}:{os.getpid()}"
+
+
+async def render(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
+    prompt = ctx.input.get("prompt", "")
+    seconds = float(ctx.input.get("seconds", 3.0))
+    if not isinstance(prompt, str) or not 0 <= seconds <= 600:
+        raise PermanentError("input needs a string prompt and 0-600 seconds")
+    await ctx.streaming_url(f"https://preview.example.invalid/{task.id}")
+    for step in range(1, STEPS + 1):
+        if ctx.is_lease_lost:
+            # Another worker owns the task now; our result would be dropped anyway.
+            return {}
+        await asyncio.sleep(seconds / STEPS)
+        await ctx.progress(step / STEPS, f"step {step}/{STEPS}")
+    ctx.report_usage(
+        token_amount=min(PRICE_TOKENS, task.reserved_token_amount),
+        cost_nanos=int(seconds * COST_NANOS_PER_SECOND),
+        model="stand-in-diffusion",
+    )
+    return {"image_url": f"https://images.example.invalid/{task.id}.png", "worker": WORKER}
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    env = os.environ.get
+    tool = env("GENQ_TOOL", "image-gen")
+    fleet = WorkerFleet(
+        env("GENQ_ADDR", "localhost:50051"),
+        poll_interval=float(env("GENQ_POLL_INTERVAL", "2.0")),
+        heartbeat_interval=float(env("GENQ_HEARTBEAT_INTERVAL", "60")),
+        drain_timeout=float(env("GENQ_DRAIN_TIMEOUT", "30")),
+    )
+    fleet.register(tool, render, concurrency=int(env("GENQ_CONCURRENCY", "4")))
+    logging.getLogger(__name__).info("worker %s hosting %s", WORKER, tool)
+    asyncio.run(fleet.run())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,684 @@
+"""WorkerFleet: hosts tools, claims their tasks over gRPC, runs the handlers, reports the outcome.
+
+    fleet = WorkerFleet("genq:50051")
+
+    @fleet.tool("image-gen", concurrency=4)
+    async def generate(task, ctx):
+        await ctx.progress(0.5, "half way")
+        ctx.report_usage(token_amount=10, cost_nanos=2_000_000)
+        return {"url": "..."}
+
+    asyncio.run(fleet.run())   # until SIGTERM/SIGINT, then drains
+
+The poll loop (one per tool, spec A "Fast pickup"; GUIDE A9). The spec's fleet parks on a Redis
+wake event with a jittered `poll_interval` fallback. A remote worker has no Redis: the service
+does the waiting. Each sweep is one ClaimNextTask with `wait` = jittered `poll_interval`: when a
+task is ready it answers at once (so the loop drains fast while it keeps claiming), and when
+none is, it parks in the service, which answers the moment a task for the tool is committed,
+or empty when the wait runs out (the polling floor). At concurrency capacity the loop backs off
+0.25 s (sooner if a slot frees). The fleet's own wake event says "a slot freed or stop was
+requested"; it is cleared before each sweep, so one set during the sweep is not lost.
+
+Leases. Every `heartbeat_interval` (60 s; the service's lease is 120 s, so one missed beat is
+tolerated) a background task extends the lease. When the service says the lease is gone
+(ABORTED, LEASE_LOST, from a heartbeat or an event publish), `ctx.lease_lost` is set: the
+handler may stop early, and whatever it returns or raises is dropped. Another worker owns the
+task now; any write from here would be refused anyway.
+
+Outcomes: see `workers_sdk.outcomes`. A handler's unexpected exception fails the task at once
+(`retry_unknown_errors=False`) and stores only the exception's class name: spec B calls it a bug
+in the handler, a bug usually repeats, and every retry of a paid generation costs money. A
+handler that knows an error is transient raises `RetryableError` from it.
+
+Drain (SIGTERM/SIGINT or `stop()`): stop claiming, let tasks in flight finish within
+`drain_timeout` (30 s), then cancel the handlers still running and hand their tasks back with
+ReleaseTask, which requeues a task at once without using an attempt (GUIDE B2: a deliberate stop
+never consumes one). The alternatives are worse: FailTask(increment_retry=true) uses an attempt
+and ends a task on its last attempt `failed`; letting the lease lapse also uses an attempt (at
+the reclaim) and keeps the task waiting a whole lease. That lapse is still the fallback when the
+release itself fails (the service unreachable, or an older one without the RPC): the task is
+late and one attempt poorer, never lost. Claims parked in the service when the drain starts are
+awaited, not cancelled: the service may already have claimed a task for this worker, and a lost
+answer would strand that task until its lease lapsed. A task such a claim brings is worked like
+the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import inspect
+import logging
+import random
+import signal
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from contextvars import copy_context
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias, TypeVar, cast
+
+import grpc
+from google.protobuf import duration_pb2, json_format, struct_pb2
+from google.protobuf.message import Message
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+
+from generation.task.v1 import task_pb2
+from workers_sdk import outcomes
+from workers_sdk.client import DEFAULT_TARGET, GenqClient
+from workers_sdk.errors import GenqError, LeaseLost, Reason
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Output: TypeAlias = Mapping[str, Any] | None
+AsyncHandler: TypeAlias = Callable[[task_pb2.Task, "TaskContext"], Awaitable[Output]]
+SyncHandler: TypeAlias = Callable[[task_pb2.Task, "TaskContext"], Output]
+Handler: TypeAlias = AsyncHandler | SyncHandler
+
+AT_CAPACITY_BACKOFF_SECONDS = 0.25
+"""Spec A: how long the poll loop backs off when its tool's lane is full."""
+
+MAX_CLAIM_WAIT_SECONDS = 30.0
+"""The longest `wait` the service accepts (GENQ_MAX_CLAIM_WAIT_SECONDS)."""
+
+REPORT_ATTEMPTS = 4
+"""Tries of a CompleteTask/FailTask that answers UNAVAILABLE (the only code clients retry)."""
+
+
+class TaskContext:
+    """What a handler gets beside its task: the lease, event publishing, and usage reporting.
+
+    Publishing is best effort: an event that cannot be published is logged, not raised, so a
+    progress report never fails paid work. A sync handler (running in a thread) calls the
+    coroutines through `ctx.from_thread(ctx.progress(0.5))`.
+    """
+
+    def __init__(
+        self,
+        client: GenqClient,
+        tool: str,
+        task: task_pb2.Task,
+        lease_token: str,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.tool = tool
+        self.task = task
+        self.lease_token = lease_token
+        self.lease_lost = asyncio.Event()
+        """Set when the service says this worker no longer holds the task."""
+        self._client = client
+        self._loop = loop
+        self._token_amount = 0
+        self._cost_nanos = 0
+        self._details = struct_pb2.Struct()
+
+    @property
+    def is_lease_lost(self) -> bool:
+        return self.lease_lost.is_set()
+
+    @functools.cached_property
+    def input(self) -> dict[str, Any]:
+        """The task's input as a plain dict (JSON numbers are floats, as in a Struct)."""
+        return json_format.MessageToDict(self.task.input)
+
+    async def progress(self, fraction: float, message: str | None = None) -> None:
+        """Publishes a progress event, `fraction` from 0.0 to 1.0."""
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"progress must be between 0.0 and 1.0, not {fraction}")
+        data: dict[str, Any] = {"progress": fraction}
+        if message is not None:
+            data["message"] = message
+        await self._publish(task_pb2.TASK_EVENT_KIND_PROGRESS, data)
+
+    async def streaming_url(self, url: str) -> None:
+        """Publishes where the output can be followed while it is generated."""
+        await self._publish(task_pb2.TASK_EVENT_KIND_STREAMING_URL, {"url": url})
+
+    async def partial_output(self, output: Mapping[str, Any]) -> None:
+        """Publishes part of the output ahead of completion."""
+        await self._publish(task_pb2.TASK_EVENT_KIND_PARTIAL_OUTPUT, output)
+
+    def report_usage(self, *, token_amount: int = 0, cost_nanos: int = 0, **details: Any) -> None:
+        """Adds to the usage sent with CompleteTask: user tokens to charge against the task's
+        reservation, the provider's cost in nanos, and anything else worth keeping (`details`,
+        later keys win). Amounts add up, so a handler calling a provider twice reports twice.
+        """
+        for name, amount in (("token_amount", token_amount), ("cost_nanos", cost_nanos)):
+            if isinstance(amount, bool) or not isinstance(amount, int) or amount < 0:
+                raise ValueError(f"{name} must be a non-negative int, not {amount!r}")
+        self._details.update(details)  # raises now, not at completion, for what JSON cannot hold
+        self._token_amount += token_amount
+        self._cost_nanos += cost_nanos
+
+    def from_thread(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Runs one of this context's coroutines from a sync handler's thread and waits for it."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop:
+            coroutine.close()
+            raise RuntimeError("from_thread() is for sync handlers; an async handler awaits")
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def reported_usage(self) -> task_pb2.ReportedUsage:
+        return task_pb2.ReportedUsage(
+            token_amount=self._token_amount, cost_nanos=self._cost_nanos, details=self._details
+        )
+
+    def _lose_lease(self, why: str) -> None:
+        if not self.lease_lost.is_set():
+            log.warning("task %s: lease lost (%s); its result will be dropped", self.task.id, why)
+            self.lease_lost.set()
+
+    async def _publish(
+        self, kind: task_pb2.TaskEventKind.ValueType, data: Mapping[str, Any]
+    ) -> None:
+        if self.is_lease_lost:
+            return
+        struct = struct_pb2.Struct()
+        struct.update(data)
+        request = task_pb2.PublishTaskEventRequest(
+            task_id=self.task.id, lease_token=self.lease_token, kind=kind, data=struct
+        )
+        try:
+            await self._client.call("PublishTaskEvent", request)
+        except GenqError as error:
+            if _lease_gone(error):
+                self._lose_lease(f"PublishTaskEvent: {error.reason}")
+            else:
+                log.warning("task %s: event not published: %s", self.task.id, error)
+
+
+@dataclass(eq=False)
+class _Lane:
+    """One hosted tool: its handler and how many of its tasks may run at once."""
+
+    name: str
+    call: AsyncHandler
+    concurrency: int
+    runs_in_thread: bool
+    tool_id: str = ""
+    runs: set[_Run] = field(default_factory=set)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when a slot frees or stop is requested; the poll loop clears it before each sweep."""
+
+
+@dataclass(eq=False)
+class _Run:
+    """One claimed task being worked."""
+
+    lane: _Lane
+    ctx: TaskContext
+    claim_span: trace.SpanContext
+    abandoned: asyncio.Future[None]
+    """Resolved by the drain when the deadline passes before the handler finishes."""
+    task: asyncio.Task[None] | None = None
+    """The asyncio task working it (`WorkerFleet._execute`)."""
+
+
+class WorkerFleet:
+    """Hosts tools and works their tasks; see the module docstring for the loop, leases and drain.
+
+    Settings (each with its default):
+    - `poll_interval` (2.0 s): how long an idle tool's claim parks in the service, jittered
+      by ±25 % so a fleet's claims do not line up; at most 30 s (the service's limit).
+    - `heartbeat_interval` (60 s): how often a running task's lease is extended. Keep it under
+      half of the service's GENQ_LEASE_SECONDS (120).
+    - `drain_timeout` (30 s): on stop, how long tasks in flight get to finish.
+    - `retry_unknown_errors` (False): whether a handler's unexpected exception requeues the task
+      (uses an attempt) instead of failing it at once. Either way only the class name is stored.
+    - `tracer_provider`: where the claim/process/complete spans go; None means OpenTelemetry's
+      global provider (a no-op until the application installs an SDK).
+    """
+
+    def __init__(
+        self,
+        client: GenqClient | str = DEFAULT_TARGET,
+        *,
+        poll_interval: float = 2.0,
+        heartbeat_interval: float = 60.0,
+        drain_timeout: float = 30.0,
+        retry_unknown_errors: bool = False,
+        tracer_provider: trace.TracerProvider | None = None,
+    ) -> None:
+        if poll_interval <= 0:
+            raise ValueError("poll_interval must be positive")
+        if heartbeat_interval <= 0:
+            raise ValueError("heartbeat_interval must be positive")
+        if drain_timeout < 0:
+            raise ValueError("drain_timeout must not be negative")
+        # Given a target, the fleet makes its own client inside run(): a grpc.aio channel
+        # belongs to the event loop it is created in.
+        self._target = client if isinstance(client, str) else client.target
+        self._client = None if isinstance(client, str) else client
+        self._owns_client = isinstance(client, str)
+        self.poll_interval = poll_interval
+        self.heartbeat_interval = heartbeat_interval
+        self.drain_timeout = drain_timeout
+        self.retry_unknown_errors = retry_unknown_errors
+        self._tracer = trace.get_tracer(__name__, tracer_provider=tracer_provider)
+        self._lanes: dict[str, _Lane] = {}
+        self._executor: ThreadPoolExecutor | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop_requested = False
+        self._stopping = asyncio.Event()
+        self.ready = asyncio.Event()
+        """Set once every tool is registered and its poll loop runs."""
+
+    @property
+    def client(self) -> GenqClient:
+        if self._client is None:
+            raise RuntimeError("the fleet makes its client when it runs")
+        return self._client
+
+    # -- registration -------------------------------------------------------------------------
+
+    def register(self, name: str, handler: Handler, *, concurrency: int = 1) -> None:
+        """Hosts the tool `name`; its tasks run at most `concurrency` at a time.
+
+        An `async def` handler runs on the fleet's event loop and must not block it (heartbeats
+        run there too). A plain function runs in a thread of its own; it cannot be interrupted,
+        so a drain that gives up on it hands its task back and drops its result, but the
+        process exits only once the thread returns. Either returns the task's output (a
+        mapping, or None) or raises an outcome (`workers_sdk.outcomes`).
+        """
+        if self._loop is not None:
+            raise RuntimeError("register tools before run()")
+        if name in self._lanes:
+            raise ValueError(f"tool {name!r} is already registered")
+        if concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        runs_in_thread = not _is_async(handler)
+        call: AsyncHandler
+        if runs_in_thread:
+            sync = cast(SyncHandler, handler)
+            call = functools.partial(self._in_thread, sync)
+        else:
+            call = cast(AsyncHandler, handler)
+        self._lanes[name] = _Lane(name, call, concurrency, runs_in_thread)
+
+    def tool(self, name: str, *, concurrency: int = 1) -> Callable[[Handler], Handler]:
+        """Decorator form of `register`."""
+
+        def decorate(handler: Handler) -> Handler:
+            self.register(name, handler, concurrency=concurrency)
+            return handler
+
+        return decorate
+
+    @property
+    def tool_ids(self) -> dict[str, str]:
+        """Tool name → id, once `ready`."""
+        return {lane.name: lane.tool_id for lane in self._lanes.values()}
+
+    @property
+    def in_flight(self) -> dict[str, int]:
+        """Tool name → tasks being worked right now."""
+        return {lane.name: len(lane.runs) for lane in self._lanes.values()}
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def run(self, *, handle_signals: bool = True) -> None:
+        """Works tasks until SIGTERM/SIGINT (with `handle_signals`) or `stop()`, then drains."""
+        if not self._lanes:
+            raise RuntimeError("no tools registered")
+        if self._loop is not None:
+            raise RuntimeError("a fleet runs once")
+        loop = self._loop = asyncio.get_running_loop()
+        if self._client is None:
+            self._client = GenqClient(self._target)
+        if self._stop_requested:
+            self._begin_stop()
+        threads = sum(lane.concurrency for lane in self._lanes.values() if lane.runs_in_thread)
+        if threads:
+            self._executor = ThreadPoolExecutor(threads, thread_name_prefix="genq-handler")
+        signals = self._install_signal_handlers(loop) if handle_signals else []
+        polls: list[asyncio.Task[None]] = []
+        try:
+            await self._register_tools()
+            if not self._stopping.is_set():
+                polls = [
+                    asyncio.create_task(self._poll(lane), name=f"genq poll {lane.name}")
+                    for lane in self._lanes.values()
+                ]
+                self.ready.set()
+                log.info("working %s at %s", ", ".join(self._lanes), self._target)
+                await self._stopping.wait()
+            await self._drain(polls)
+        finally:
+            # Only finds work left when run() itself was cancelled: there is no drain then, and
+            # the leases lapse (use stop() or a signal to drain).
+            for task in [*polls, *self._working()]:
+                task.cancel()
+            for sig in signals:
+                loop.remove_signal_handler(sig)
+            if self._executor is not None:
+                # A sync handler cannot be interrupted; its thread ends on its own.
+                self._executor.shutdown(wait=False, cancel_futures=True)
+            if self._owns_client:
+                await self.client.close()
+
+    def stop(self) -> None:
+        """Starts the drain. Safe from any thread, and before `run()`. Repeating it (or the
+        signal) changes nothing; only SIGKILL cuts a drain short."""
+        if self._loop is None:
+            self._stop_requested = True
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is already closed: nothing to stop
+            self._loop.call_soon_threadsafe(self._begin_stop)
+
+    def _begin_stop(self) -> None:
+        if self._stopping.is_set():
+            return
+        log.info("stopping: no new claims; draining for up to %g s", self.drain_timeout)
+        self._stopping.set()
+        for lane in self._lanes.values():
+            lane.wake.set()
+
+    def _install_signal_handlers(self, loop: asyncio.AbstractEventLoop) -> list[signal.Signals]:
+        installed = []
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, self._begin_stop)
+            except (NotImplementedError, RuntimeError, ValueError):
+                continue  # not the main thread, or not a Unix loop: stop() still works
+            installed.append(sig)
+        return installed
+
+    async def _register_tools(self) -> None:
+        """UpsertTool for each tool; waits out an unavailable service (it may start after us)."""
+        for lane in self._lanes.values():
+            delay = 0.1
+            while True:
+                try:
+                    response = await self.client.call(
+                        "UpsertTool", task_pb2.UpsertToolRequest(name=lane.name)
+                    )
+                except GenqError as error:
+                    if error.code != grpc.StatusCode.UNAVAILABLE:
+                        raise
+                    log.warning("service unavailable at %s; retrying", self.client.target)
+                    if await self._stopped_within(delay):
+                        return
+                    delay = min(delay * 2, 5.0)
+                    continue
+                lane.tool_id = response.tool.id
+                break
+
+    async def _drain(self, polls: list[asyncio.Task[None]]) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.drain_timeout
+        # Each poll loop ends once its current claim answers (within its park time); a task it
+        # brings back joins the ones in flight.
+        await asyncio.gather(*polls)
+        working = self._working()
+        if working:
+            await asyncio.wait(working, timeout=max(0.0, deadline - loop.time()))
+        unfinished = [run for lane in self._lanes.values() for run in lane.runs]
+        if unfinished:
+            log.warning("drain timeout: releasing %d unfinished tasks", len(unfinished))
+            for run in unfinished:
+                if not run.abandoned.done():
+                    run.abandoned.set_result(None)
+            await asyncio.wait(self._working())
+
+    def _working(self) -> set[asyncio.Task[None]]:
+        return {run.task for lane in self._lanes.values() for run in lane.runs if run.task}
+
+    async def _stopped_within(self, seconds: float) -> bool:
+        """Sleeps `seconds`, or less if stop is requested meanwhile; says whether it was."""
+        await _wait(self._stopping, seconds)
+        return self._stopping.is_set()
+
+    # -- the poll loop --------------------------------------------------------------------------
+
+    async def _poll(self, lane: _Lane) -> None:
+        failures = 0
+        while not self._stopping.is_set():
+            lane.wake.clear()  # before the sweep, so a slot freed during it is not missed
+            if len(lane.runs) >= lane.concurrency:
+                await _wait(lane.wake, AT_CAPACITY_BACKOFF_SECONDS)
+                continue
+            try:
+                self._claimed(lane, *await self._claim(lane, self._park_seconds()))
+            except Exception as error:
+                # The loop must outlive any failure: the service may be restarting.
+                failures += 1
+                delay = min(self.poll_interval, 0.1 * 2**failures)
+                log.warning("claim for %s failed (%s); retrying in %.1f s", lane.name, error, delay)
+                await self._stopped_within(delay)
+            else:
+                failures = 0
+
+    def _park_seconds(self) -> float:
+        return min(self.poll_interval * random.uniform(0.75, 1.25), MAX_CLAIM_WAIT_SECONDS)
+
+    async def _claim(
+        self, lane: _Lane, wait: float
+    ) -> tuple[task_pb2.ClaimNextTaskResponse, trace.SpanContext]:
+        """One ClaimNextTask that parks in the service for up to `wait` seconds."""
+        park = duration_pb2.Duration()
+        park.FromNanoseconds(int(wait * 1e9))
+        request = task_pb2.ClaimNextTaskRequest(tool_id=lane.tool_id, wait=park)
+        with self._tracer.start_as_current_span(f"claim {lane.name}") as span:
+            response = await self.client.call(
+                "ClaimNextTask", request, timeout=wait + self.client.timeout
+            )
+            span.set_attribute("genq.claimed", response.HasField("task"))
+            if response.HasField("task"):
+                span.set_attribute("genq.task_id", response.task.id)
+            return response, span.get_span_context()
+
+    def _claimed(
+        self, lane: _Lane, response: task_pb2.ClaimNextTaskResponse, claim_span: trace.SpanContext
+    ) -> None:
+        if not response.HasField("task"):
+            return
+        loop = asyncio.get_running_loop()
+        ctx = TaskContext(self.client, lane.name, response.task, response.lease_token, loop)
+        run = _Run(lane, ctx, claim_span, loop.create_future())
+        run.task = asyncio.create_task(self._execute(run), name=f"genq {lane.name} {ctx.task.id}")
+        lane.runs.add(run)
+
+        def finished(_: asyncio.Task[None]) -> None:
+            lane.runs.discard(run)
+            lane.wake.set()
+
+        run.task.add_done_callback(finished)
+
+    # -- one task -------------------------------------------------------------------------------
+
+    async def _execute(self, run: _Run) -> None:
+        """Works one claimed task: heartbeat, handler, then complete, fail, drop or release."""
+        task = run.ctx.task
+        links = [trace.Link(run.claim_span)] if run.claim_span.is_valid else []
+        with self._tracer.start_as_current_span(
+            f"process {run.lane.name}",
+            context=_parent_context(task.w3c_traceparent),
+            kind=trace.SpanKind.CONSUMER,
+            links=links,
+            attributes={"genq.task_id": task.id, "genq.retry_count": task.retry_count},
+            record_exception=False,  # an exception's message may quote the user's prompt
+        ) as span:
+            heartbeat = asyncio.create_task(self._heartbeat(run.ctx))
+            handler = asyncio.create_task(self._handle(run))
+            try:
+                either: list[asyncio.Future[Any]] = [handler, run.abandoned]
+                await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+                finished = handler.done()
+            finally:
+                # The heartbeat stops before the report: a beat racing a completion could only
+                # misreport a lost lease. The lease has at least a beat's worth left.
+                heartbeat.cancel()
+                if not handler.done():
+                    handler.cancel()
+            try:
+                if finished:
+                    await self._settle(run, handler, span)
+                else:
+                    handler.add_done_callback(_forget)
+                    await self._release(run)
+            except Exception:
+                log.exception("task %s: reporting the outcome failed", task.id)
+
+    async def _handle(self, run: _Run) -> Output:
+        return await run.lane.call(run.ctx.task, run.ctx)
+
+    async def _in_thread(
+        self, handler: SyncHandler, task: task_pb2.Task, ctx: TaskContext
+    ) -> Output:
+        loop = asyncio.get_running_loop()
+        context = copy_context()  # the thread sees the process span as current
+        return await loop.run_in_executor(self._executor, context.run, handler, task, ctx)
+
+    async def _heartbeat(self, ctx: TaskContext) -> None:
+        request = task_pb2.HeartbeatTaskRequest(task_id=ctx.task.id, lease_token=ctx.lease_token)
+        # A beat that hangs must not outlive the next one.
+        timeout = min(self.client.timeout, max(self.heartbeat_interval, 1.0))
+        delay = self.heartbeat_interval
+        while True:
+            await asyncio.sleep(delay)
+            try:
+                await self.client.call("HeartbeatTask", request, timeout=timeout)
+                delay = self.heartbeat_interval
+            except GenqError as error:
+                if _lease_gone(error):
+                    ctx._lose_lease(f"HeartbeatTask: {error.reason}")
+                    return
+                # The lease outlasts two beats; try again soon rather than a beat later.
+                delay = min(self.heartbeat_interval, 1.0)
+                log.warning("task %s: heartbeat failed: %s", ctx.task.id, error)
+
+    async def _settle(self, run: _Run, handler: asyncio.Task[Output], span: trace.Span) -> None:
+        ctx = run.ctx
+        if ctx.is_lease_lost:
+            log.warning("task %s: lease lost while running; result dropped", ctx.task.id)
+            return
+        error = asyncio.CancelledError() if handler.cancelled() else handler.exception()
+        if error is None:
+            await self._complete(run, handler.result(), span)
+        elif isinstance(error, outcomes.TaskOutcome):
+            span.set_status(trace.StatusCode.ERROR, type(error).__name__)
+            request = _fail_request(ctx, error.stored_error(), error.increment_retry)
+            await self._report(run, "fail", request)
+        else:
+            # Only the class name leaves this process; the traceback stays in the worker's log.
+            name = type(error).__name__
+            log.error("task %s: handler raised %s", ctx.task.id, name, exc_info=error)
+            span.set_status(trace.StatusCode.ERROR, name)
+            await self._report(run, "fail", _fail_request(ctx, name, self.retry_unknown_errors))
+
+    async def _complete(self, run: _Run, output: Output, span: trace.Span) -> None:
+        ctx = run.ctx
+        try:
+            struct = _struct(output)
+        except (TypeError, ValueError) as error:
+            # The handler returned something that is not a JSON object: a bug in the handler.
+            log.error("task %s: handler returned an unusable output: %s", ctx.task.id, error)
+            span.set_status(trace.StatusCode.ERROR, type(error).__name__)
+            name = type(error).__name__
+            await self._report(run, "fail", _fail_request(ctx, name, self.retry_unknown_errors))
+            return
+        request = task_pb2.CompleteTaskRequest(
+            task_id=ctx.task.id,
+            lease_token=ctx.lease_token,
+            output=struct,
+            reported_usage=ctx.reported_usage(),
+        )
+        refused = await self._report(run, "complete", request)
+        if refused is not None and refused.code == grpc.StatusCode.INVALID_ARGUMENT:
+            # The service refuses this output (too large, say): running again would pay for
+            # the same refusal, so the task fails now.
+            error_text = f"CompleteTask refused the result: {refused}"
+            await self._report(run, "fail", _fail_request(ctx, error_text, False))
+
+    async def _release(self, run: _Run) -> None:
+        """Returns a task the drain could not finish to the queue, its attempt unused. Should
+        the release fail, the heartbeat is stopped already: the lease lapses and the service's
+        rescuer requeues the task (the reclaim then uses an attempt)."""
+        ctx = run.ctx
+        if ctx.is_lease_lost:
+            return  # another worker holds it already
+        log.warning("task %s: unfinished at the drain deadline; releasing it", ctx.task.id)
+        request = task_pb2.ReleaseTaskRequest(task_id=ctx.task.id, lease_token=ctx.lease_token)
+        await self._report(run, "release", request)
+
+    async def _report(self, run: _Run, what: str, request: Message) -> GenqError | None:
+        """Sends the write that ends this worker's hold on the task (CompleteTask, FailTask or
+        ReleaseTask) in a span named `what`; returns the error that refused it, if any."""
+        method = type(request).__name__.removesuffix("Request")
+        ctx = run.ctx
+        with self._tracer.start_as_current_span(f"{what} {run.lane.name}"):
+            for attempt in range(REPORT_ATTEMPTS):
+                try:
+                    await self.client.call(method, request)
+                    return None
+                except GenqError as error:
+                    if _lease_gone(error):
+                        # After an UNAVAILABLE retry this may also mean the first try committed.
+                        ctx.lease_lost.set()
+                        log.warning(
+                            "task %s: %s refused (%s); result dropped",
+                            ctx.task.id,
+                            method,
+                            error.reason,
+                        )
+                        return error
+                    if error.code != grpc.StatusCode.UNAVAILABLE or attempt + 1 == REPORT_ATTEMPTS:
+                        log.error("task %s: %s failed: %s", ctx.task.id, method, error)
+                        return error
+                    await asyncio.sleep(0.2 * 2**attempt)
+        raise AssertionError("unreachable")
+
+
+def _fail_request(ctx: TaskContext, error: str, increment_retry: bool) -> task_pb2.FailTaskRequest:
+    return task_pb2.FailTaskRequest(
+        task_id=ctx.task.id,
+        lease_token=ctx.lease_token,
+        error=error,
+        increment_retry=increment_retry,
+    )
+
+
+def _lease_gone(error: GenqError) -> bool:
+    """The service says this worker can no longer write the task (or the task is gone)."""
+    return isinstance(error, LeaseLost) or error.reason is Reason.TASK_NOT_FOUND
+
+
+def _parent_context(traceparent: str) -> otel_context.Context:
+    """The enqueuer's span as parent. A fresh Context either way: without a stored traceparent
+    the task starts its own trace instead of nesting under whatever span started the fleet."""
+    if not traceparent:
+        return otel_context.Context()
+    return propagate.extract({"traceparent": traceparent}, context=otel_context.Context())
+
+
+def _struct(output: Output) -> struct_pb2.Struct:
+    struct = struct_pb2.Struct()
+    if output is None:
+        return struct
+    if not isinstance(output, Mapping):
+        raise TypeError(f"a handler returns a mapping or None, not {type(output).__name__}")
+    struct.update(output)
+    return struct
+
+
+def _is_async(handler: Handler) -> bool:
+    return inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
+        getattr(handler, "__call__", None)  # noqa: B004 - an object with `async def __call__`
+    )
+
+
+def _forget(handler: asyncio.Task[Output]) -> None:
+    """Reads an abandoned handler's end, so asyncio does not log it as never retrieved."""
+    if not handler.cancelled():
+        handler.exception()
+
+
+async def _wait(event: asyncio.Event, seconds: float) -> None:
+    """Waits for `event`, at most `seconds`."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(event.wait(), seconds)
