@@ -24,6 +24,8 @@ class Database:
             await connection.execute(
                 f"SET statement_timeout = {int(settings.statement_timeout_ms)}"
             )
+            # Short statements only: compiling one with JIT costs more than running it.
+            await connection.execute("SET jit = off")
 
         self.pool: psycopg_pool.AsyncConnectionPool[psycopg.AsyncConnection[Row]] = (
             psycopg_pool.AsyncConnectionPool(

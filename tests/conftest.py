@@ -60,9 +60,13 @@ class Databases:
         self.template = self.create("template", template=None)
         migrations.upgrade(url_for(self.template))
         with psycopg.connect(url_for(self.template), autocommit=True) as template:
-            # With no daily cap nothing runs (by design); tests of the queue itself get a cap
-            # too large to matter. Spend-control tests set their own, in databases of their own.
-            template.execute("UPDATE generation.settings SET daily_cap_nanos = %s", [UNLIMITED])
+            # With no daily cap nothing runs (by design). Tests of the queue itself get a cap
+            # too large to matter and cooldowns that never trip; spend-control tests set their
+            # own, in databases of their own.
+            template.execute(
+                "UPDATE generation.settings SET daily_cap_nanos = %s, cooldown_threshold = 1000",
+                [UNLIMITED],
+            )
 
     def create(self, name: str, template: str | None = "default") -> str:
         database = f"{self.prefix}_{name}"

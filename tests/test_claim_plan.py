@@ -66,6 +66,7 @@ def claim_plan(
         "cap_override": None,
     }
     with connection.transaction(force_rollback=True):
+        connection.execute("SET LOCAL jit = off")  # as in the service's sessions
         if generic:
             names: list[str] = []
 

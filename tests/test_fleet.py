@@ -63,6 +63,15 @@ def new_fleet(service: ServiceProcess, **settings: Any) -> WorkerFleet:
     return WorkerFleet(service.address, poll_interval=0.5, drain_timeout=5, **settings)
 
 
+def no_backoff(service: ServiceProcess, tool_id: str) -> None:
+    """Retries at once: these tests are about outcomes, not the backoff."""
+    service.stub.ConfigureTool(
+        task_pb2.ConfigureToolRequest(
+            tool_id=tool_id, backoff_base_seconds=0, backoff_max_seconds=0
+        )
+    )
+
+
 def tool_name() -> str:
     return f"fleet-{uuid.uuid4().hex[:12]}"
 
@@ -72,7 +81,7 @@ def queue(stub: Stub, tool_id: str, **fields: Any) -> str:
 
 
 def terminal(db: Db, *task_ids: str) -> bool:
-    return all(row(db, t)["status"] in {"completed", "failed"} for t in task_ids)
+    return all(row(db, t)["status"] in {"completed", "failed", "cancelled"} for t in task_ids)
 
 
 def events(db: Db, task_id: str) -> list[dict[str, Any]]:
@@ -137,35 +146,41 @@ def test_outcomes_and_stored_errors(service: ServiceProcess, db: Db) -> None:
         raise AssertionError("unknown outcome")
 
     expected = {
-        # outcome: (max_retries, runs, retry_count, stored error)
-        "retryable": (3, 3, 3, "provider timed out"),
-        "account": (2, 2, 2, "quota exceeded"),
-        "permanent": (3, 1, 0, "content blocked"),
-        "permanent-silent": (3, 1, 0, "PermanentError"),
-        "cancelled": (3, 1, 0, "cancelled"),
-        "bug": (3, 1, 0, "ValueError"),
-        "not-a-mapping": (3, 1, 0, "TypeError"),
+        # outcome: (max_retries, runs, retry_count, status, stored error)
+        "retryable": (3, 3, 3, "failed", "provider timed out"),
+        "permanent": (3, 1, 0, "failed", "content blocked"),
+        "permanent-silent": (3, 1, 0, "failed", "PermanentError"),
+        "cancelled": (3, 1, 0, "cancelled", "cancelled"),
+        "bug": (3, 1, 0, "failed", "ValueError"),
+        "not-a-mapping": (3, 1, 0, "failed", "TypeError"),
     }
     with running(fleet):
+        tool_id = fleet.tool_ids[name]
+        no_backoff(service, tool_id)
         tasks = {
             outcome: queue(
-                service.stub,
-                fleet.tool_ids[name],
-                max_retries=max_retries,
-                input={"outcome": outcome},
+                service.stub, tool_id, max_retries=max_retries, input={"outcome": outcome}
             )
             for outcome, (max_retries, *_) in expected.items()
         }
         wait_for(lambda: terminal(db, *tasks.values()), what="every task to end")
-    for outcome, (_, run_count, retry_count, error) in expected.items():
+        # Last, alone: an account error holds the tool's whole group.
+        account = queue(service.stub, tool_id, input={"outcome": "account"})
+        wait_for(lambda: runs[account] == 1 and row(db, account)["error"], what="the hold")
+    for outcome, (_, run_count, retry_count, status, error) in expected.items():
         task_id = tasks[outcome]
-        failed = row(db, task_id)
-        assert failed["status"] == "failed", outcome
-        assert (runs[task_id], failed["retry_count"], failed["error"]) == (
+        ended = row(db, task_id)
+        assert (runs[task_id], ended["retry_count"], ended["status"], ended["error"]) == (
             run_count,
             retry_count,
+            status,
             error,
         ), outcome
+    held = row(db, account)
+    assert (held["status"], held["retry_count"], held["error"]) == ("queued", 0, "quota exceeded")
+    assert db.execute(
+        "SELECT held_until > now() AS held FROM generation.holds WHERE account_group = %s", [name]
+    ).fetchone() == {"held": True}
     for outcome in ("bug", "not-a-mapping"):
         stored = json.dumps([row(db, tasks[outcome]), events(db, tasks[outcome])], default=str)
         assert "secret" not in stored
@@ -202,6 +217,7 @@ def test_retry_unknown_errors_requeues_a_bug(service: ServiceProcess, db: Db) ->
         raise KeyError("secret")
 
     with running(fleet):
+        no_backoff(service, fleet.tool_ids[name])
         task_id = queue(service.stub, fleet.tool_ids[name], max_retries=2)
         wait_for(lambda: terminal(db, task_id), what="the task to fail")
     failed = row(db, task_id)

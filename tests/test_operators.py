@@ -235,12 +235,18 @@ def test_fail_with_retry_requeues(service: ServiceProcess, db: Db) -> None:
     stored = row(db, task_id)
     assert (stored["status"], stored["retry_count"], stored["lease_token"]) == ("queued", 1, None)
 
-    # Nothing else is queued for this tool, so the next claim takes the same task back.
+    # The retry waits out its full-jitter backoff (the tool's default base is 30 s)...
+    assert call(service, "ClaimNextTask", {"tool_id": tool_id}) == {
+        "idle_reason": "IDLE_REASON_WAITING"
+    }
+    # ...and once due, the next claim takes the same task back.
+    db.execute("UPDATE generation.tasks SET run_at = now() WHERE id = %s", [task_id])
     assert call(service, "ClaimNextTask", {"tool_id": tool_id})["task"]["id"] == task_id
 
 
 def test_claim_with_nothing_queued_answers_empty(service: ServiceProcess) -> None:
-    assert call(service, "ClaimNextTask", {"tool_id": new_tool(service)}) == {}
+    answer = call(service, "ClaimNextTask", {"tool_id": new_tool(service)})
+    assert answer == {"idle_reason": "IDLE_REASON_EMPTY"}
 
 
 def test_list_stale_then_forced_fail(service: ServiceProcess, db: Db) -> None:

@@ -128,8 +128,11 @@ def test_serve_without_database_url_runs_an_embedded_postgres(tmp_path: Path) ->
     try:
         tool_id = new_tool(service)
         task = service.stub.QueueTask(task_pb2.QueueTaskRequest(tool_id=tool_id)).task
-        claimed = service.stub.ClaimNextTask(task_pb2.ClaimNextTaskRequest(tool_id=tool_id))
-        assert claimed.task.id == task.id
+        claim = task_pb2.ClaimNextTaskRequest(tool_id=tool_id)
+        # A fresh database has no daily cap, and with no cap nothing runs.
+        assert service.stub.ClaimNextTask(claim).idle_reason == task_pb2.IDLE_REASON_CAPPED
+        service.stub.UpdateSettings(task_pb2.UpdateSettingsRequest(daily_cap_nanos=10**9))
+        assert service.stub.ClaimNextTask(claim).task.id == task.id
         assert (tmp_path / "pgdata" / "PG_VERSION").exists()
     finally:
         assert service.stop() == 0

@@ -562,14 +562,21 @@ class WorkerFleet:
             await self._complete(run, handler.result(), span)
         elif isinstance(error, outcomes.TaskOutcome):
             span.set_status(trace.StatusCode.ERROR, type(error).__name__)
-            request = _fail_request(ctx, error.stored_error(), error.increment_retry)
+            request = _fail_request(ctx, error.stored_error(), error.failure)
             await self._report(run, "fail", request)
         else:
             # Only the class name leaves this process; the traceback stays in the worker's log.
             name = type(error).__name__
             log.error("task %s: handler raised %s", ctx.task.id, name, exc_info=error)
             span.set_status(trace.StatusCode.ERROR, name)
-            await self._report(run, "fail", _fail_request(ctx, name, self.retry_unknown_errors))
+            await self._report(run, "fail", _fail_request(ctx, name, self._bug_failure))
+
+    @property
+    def _bug_failure(self) -> task_pb2.FailureKind.ValueType:
+        """What an exception that is no TaskOutcome (a bug in the handler) makes of the task."""
+        if self.retry_unknown_errors:
+            return task_pb2.FAILURE_KIND_RETRYABLE
+        return task_pb2.FAILURE_KIND_PERMANENT
 
     async def _complete(self, run: _Run, output: Output, span: trace.Span) -> None:
         ctx = run.ctx
@@ -580,7 +587,7 @@ class WorkerFleet:
             log.error("task %s: handler returned an unusable output: %s", ctx.task.id, error)
             span.set_status(trace.StatusCode.ERROR, type(error).__name__)
             name = type(error).__name__
-            await self._report(run, "fail", _fail_request(ctx, name, self.retry_unknown_errors))
+            await self._report(run, "fail", _fail_request(ctx, name, self._bug_failure))
             return
         request = task_pb2.CompleteTaskRequest(
             task_id=ctx.task.id,
@@ -593,7 +600,8 @@ class WorkerFleet:
             # The service refuses this output (too large, say): running again would pay for
             # the same refusal, so the task fails now.
             error_text = f"CompleteTask refused the result: {refused}"
-            await self._report(run, "fail", _fail_request(ctx, error_text, False))
+            failure = _fail_request(ctx, error_text, task_pb2.FAILURE_KIND_PERMANENT)
+            await self._report(run, "fail", failure)
 
     async def _release(self, run: _Run) -> None:
         """Returns a task the drain could not finish to the queue, its attempt unused. Should
@@ -603,7 +611,11 @@ class WorkerFleet:
         if ctx.is_lease_lost:
             return  # another worker holds it already
         log.warning("task %s: unfinished at the drain deadline; releasing it", ctx.task.id)
-        request = task_pb2.ReleaseTaskRequest(task_id=ctx.task.id, lease_token=ctx.lease_token)
+        request = task_pb2.ReleaseTaskRequest(
+            task_id=ctx.task.id,
+            lease_token=ctx.lease_token,
+            cost_nanos=ctx.reported_usage().cost_nanos,
+        )
         await self._report(run, "release", request)
 
     async def _report(self, run: _Run, what: str, request: Message) -> GenqError | None:
@@ -634,12 +646,16 @@ class WorkerFleet:
         raise AssertionError("unreachable")
 
 
-def _fail_request(ctx: TaskContext, error: str, increment_retry: bool) -> task_pb2.FailTaskRequest:
+def _fail_request(
+    ctx: TaskContext, error: str, failure: task_pb2.FailureKind.ValueType
+) -> task_pb2.FailTaskRequest:
     return task_pb2.FailTaskRequest(
         task_id=ctx.task.id,
         lease_token=ctx.lease_token,
         error=error,
-        increment_retry=increment_retry,
+        failure=failure,
+        increment_retry=failure == task_pb2.FAILURE_KIND_RETRYABLE,
+        reported_usage=ctx.reported_usage(),
     )
 
 

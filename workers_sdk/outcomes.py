@@ -2,13 +2,15 @@
 
 A handler returns its output to complete the task, or raises one of these:
 
-| raise            | the fleet calls                      | the task                        |
-|------------------|--------------------------------------|---------------------------------|
-| `RetryableError` | FailTask(increment_retry=true)       | requeued while attempts remain  |
-| `AccountError`   | FailTask(increment_retry=true)       | for now the same as retryable   |
-| `PermanentError` | FailTask(increment_retry=false)      | failed at once                  |
-| `CancelledError` | FailTask(false, error "cancelled")   | failed at once                  |
-| anything else    | FailTask(increment_retry=false)      | failed, only class name stored  |
+| raise            | the fleet calls FailTask with | the task                                    |
+|------------------|-------------------------------|---------------------------------------------|
+| `RetryableError` | FAILURE_KIND_RETRYABLE        | requeued with backoff while attempts remain |
+| `AccountError`   | FAILURE_KIND_ACCOUNT          | requeued, no attempt used; its group held   |
+| `PermanentError` | FAILURE_KIND_PERMANENT        | failed at once                              |
+| `CancelledError` | FAILURE_KIND_CANCELLED        | cancelled                                   |
+| anything else    | FAILURE_KIND_PERMANENT        | failed, only the class name stored          |
+
+Every FailTask carries what the run cost so far (`ctx.report_usage`): billed is billed.
 
 The message of these four is stored as the task's error (the handler wrote it for that purpose;
 an empty message stores the class name). Any other exception is a bug in the handler: the task
@@ -19,12 +21,14 @@ fails at once rather than burning paid retries.
 
 from __future__ import annotations
 
+from generation.task.v1 import task_pb2
+
 
 class TaskOutcome(Exception):
     """Base of the outcomes a handler may raise; its message is stored as the task's error."""
 
-    increment_retry: bool = False
-    """Whether FailTask is asked to requeue (true) or to fail the task at once (false)."""
+    failure: task_pb2.FailureKind.ValueType = task_pb2.FAILURE_KIND_PERMANENT
+    """The FailureKind sent with FailTask."""
 
     def stored_error(self) -> str:
         """The text kept in the task's `error` column."""
@@ -35,35 +39,31 @@ class RetryableError(TaskOutcome):
     """Worth another attempt (a timeout, a truncated response, a 5xx): requeued while attempts
     remain, failed once they are used up."""
 
-    increment_retry = True
+    failure = task_pb2.FAILURE_KIND_RETRYABLE
 
 
 class PermanentError(TaskOutcome):
     """Will never succeed (the input is refused, the content is blocked): failed at once."""
 
-    increment_retry = False
+    failure = task_pb2.FAILURE_KIND_PERMANENT
 
 
 class AccountError(TaskOutcome):
-    """The provider account is the problem (quota, billing, revoked key), not the task.
+    """The provider account is the problem (quota, billing, revoked key), not the task: the task
+    is requeued without using an attempt and the tool's account group is held (GUIDE B4), so the
+    other tasks on that account wait instead of burning their retries."""
 
-    For now this behaves like `RetryableError` and uses an attempt. Spend control (GUIDE B4) will
-    requeue it without using an attempt and hold the whole provider group for a while; handlers
-    that raise it today need no change then.
-    """
-
-    increment_retry = True
+    failure = task_pb2.FAILURE_KIND_ACCOUNT
 
 
 class CancelledError(TaskOutcome):
     """The work was called off (the user cancelled, the result is no longer wanted).
 
-    Not `asyncio.CancelledError`: this one is raised by a handler on purpose. For now the task
-    fails at once with the error "cancelled"; a dedicated `cancelled` status comes with the
-    cancel RPCs (GUIDE B6).
+    Not `asyncio.CancelledError`: this one is raised by a handler on purpose. The task ends
+    `cancelled`.
     """
 
-    increment_retry = False
+    failure = task_pb2.FAILURE_KIND_CANCELLED
 
     def stored_error(self) -> str:
         return "cancelled"
