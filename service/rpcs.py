@@ -169,6 +169,13 @@ def _queued(rows: list[Row]) -> list[Row]:
     return [row for row in rows if row["id"] is not None]
 
 
+def respond_queue_tasks(rows: list[Row]) -> task_pb2.QueueTasksResponse:
+    queued = _queued(rows)
+    return task_pb2.QueueTasksResponse(
+        tasks=[messages.task(row) for row in queued], skipped=rows[0]["submitted"] - len(queued)
+    )
+
+
 def respond_queue_task(rows: list[Row]) -> task_pb2.QueueTaskResponse:
     queued = _queued(rows)
     if not queued:
@@ -527,7 +534,7 @@ BINDINGS: dict[str, Binding] = {
     "QueueTask": Binding(bind_queue_task, respond_queue_task, after=signal_queued),
     "QueueTasks": Binding(
         bind_queue_tasks,
-        lambda rows: task_pb2.QueueTasksResponse(tasks=[messages.task(r) for r in _queued(rows)]),
+        respond_queue_tasks,
         after=signal_queued,
     ),
     "CancelTask": Binding(bind_task_id, respond_cancel, after=signal_event),

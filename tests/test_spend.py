@@ -1,0 +1,552 @@
+"""Spend control (GUIDE B1-B6, B8, B11), enforced in the claim's own statement.
+
+These tests run against a database and a service of their own, since they change the global
+settings; every test starts from the defaults (no cap) and a tool of its own.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import psycopg
+import pytest
+from google.protobuf import duration_pb2, timestamp_pb2
+from psycopg.rows import dict_row
+
+from generation.task.v1 import task_pb2, task_pb2_grpc
+from service import housekeeping
+from tests.conftest import Databases, ServiceProcess, url_for, wait_for
+from workers_sdk.errors import Reason, from_rpc_error
+
+Stub = task_pb2_grpc.GenerationDataServiceStub
+Db = psycopg.Connection[dict[str, Any]]
+UNIT = 1_000_000_000  # nanos in one currency unit
+
+
+@pytest.fixture(scope="module")
+def spend_url(databases: Databases) -> str:
+    return url_for(databases.create("spend"))
+
+
+@pytest.fixture(scope="module")
+def spend_service(
+    spend_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServiceProcess]:
+    process = ServiceProcess(
+        spend_url,
+        tmp_path_factory.mktemp("spend") / "serve.log",
+        GENQ_RESCUE_INTERVAL_SECONDS="0.2",
+    )
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+def sdb(spend_url: str) -> Iterator[Db]:
+    with psycopg.connect(spend_url, autocommit=True, row_factory=dict_row) as connection:
+        connection.execute(
+            "UPDATE generation.settings SET enabled = true, daily_cap_nanos = NULL, "
+            "spent_day = NULL, spent_nanos = 0, reserved_nanos = 0, cooldown_threshold = 2, "
+            "cooldown_seconds = 600, account_hold_seconds = 3600"
+        )
+        connection.execute("DELETE FROM generation.cooldowns")
+        connection.execute("DELETE FROM generation.holds")
+        yield connection
+
+
+@pytest.fixture
+def stub(spend_service: ServiceProcess, sdb: Db) -> Stub:
+    return spend_service.stub
+
+
+def new_tool(stub: Stub, **settings: Any) -> str:
+    tool_id = str(stub.UpsertTool(task_pb2.UpsertToolRequest(name=uuid.uuid4().hex)).tool.id)
+    stub.ConfigureTool(
+        task_pb2.ConfigureToolRequest(
+            tool_id=tool_id, backoff_base_seconds=0, backoff_max_seconds=0, **settings
+        )
+    )
+    return tool_id
+
+
+def set_cap(stub: Stub, nanos: int) -> task_pb2.Settings:
+    return stub.UpdateSettings(task_pb2.UpdateSettingsRequest(daily_cap_nanos=nanos)).settings
+
+
+def queue(stub: Stub, tool_id: str, **fields: Any) -> task_pb2.Task:
+    return stub.QueueTask(task_pb2.QueueTaskRequest(tool_id=tool_id, **fields)).task
+
+
+def claim(stub: Stub, tool_id: str) -> task_pb2.ClaimNextTaskResponse:
+    return stub.ClaimNextTask(task_pb2.ClaimNextTaskRequest(tool_id=tool_id))
+
+
+def complete(stub: Stub, claimed: Any, cost: int = 0) -> task_pb2.Task:
+    return stub.CompleteTask(
+        task_pb2.CompleteTaskRequest(
+            task_id=claimed.task.id,
+            lease_token=claimed.lease_token,
+            reported_usage=task_pb2.ReportedUsage(cost_nanos=cost),
+        )
+    ).task
+
+
+def fail(stub: Stub, claimed: Any, failure: int, cost: int = 0) -> task_pb2.Task:
+    return stub.FailTask(
+        task_pb2.FailTaskRequest(
+            task_id=claimed.task.id,
+            lease_token=claimed.lease_token,
+            failure=failure,
+            error="boom",
+            reported_usage=task_pb2.ReportedUsage(cost_nanos=cost),
+        )
+    ).task
+
+
+def idle(stub: Stub, tool_id: str) -> str:
+    answer = claim(stub, tool_id)
+    assert not answer.HasField("task"), "a task was claimed"
+    return task_pb2.IdleReason.Name(answer.idle_reason).removeprefix("IDLE_REASON_").lower()
+
+
+def counters(db: Db) -> dict[str, int]:
+    found = db.execute(
+        "SELECT CASE WHEN spent_day = (now() AT TIME ZONE timezone)::date THEN spent_nanos "
+        "ELSE 0 END AS spent, reserved_nanos AS reserved FROM generation.settings"
+    ).fetchone()
+    assert found is not None
+    return found
+
+
+def task_row(db: Db, task_id: str) -> dict[str, Any]:
+    found = db.execute("SELECT * FROM generation.tasks WHERE id = %s", [task_id]).fetchone()
+    assert found is not None
+    return found
+
+
+# --- B1: the daily cap
+
+
+def test_no_cap_or_a_zero_cap_runs_nothing_and_uses_no_attempt(stub: Stub, sdb: Db) -> None:
+    tool_id = new_tool(stub)
+    task = queue(stub, tool_id)
+    assert idle(stub, tool_id) == "capped"
+    set_cap(stub, 0)
+    assert idle(stub, tool_id) == "capped"
+    stored = task_row(sdb, task.id)
+    assert (stored["status"], stored["retry_count"], stored["attempt_count"]) == ("queued", 0, 0)
+    set_cap(stub, UNIT)
+    assert claim(stub, tool_id).task.id == task.id
+
+
+def test_cap_admits_exactly_k_under_16_concurrent_claimers(
+    spend_service: ServiceProcess, stub: Stub, sdb: Db, spend_url: str
+) -> None:
+    """B1 and B11: 16 claimers race for 40 tasks under a cap that admits exactly 5 estimates;
+    exactly 5 are claimed, and spent + reserved never exceeds the cap at any moment."""
+    estimate, admitted = 100 * UNIT // 1000, 5
+    cap = estimate * admitted
+    set_cap(stub, cap)
+    tool_id = new_tool(stub, cost_estimate_nanos=estimate)
+    for _ in range(40):
+        queue(stub, tool_id)
+    claimed: list[Any] = []
+    over_cap: list[dict[str, int]] = []
+    racing = threading.Event()
+    start = threading.Barrier(16)
+
+    def watch() -> None:
+        with psycopg.connect(spend_url, autocommit=True, row_factory=dict_row) as watcher:
+            while racing.is_set():
+                seen = counters(watcher)
+                if seen["spent"] + seen["reserved"] > cap:
+                    over_cap.append(seen)
+
+    def claimer() -> None:
+        with grpc.insecure_channel(spend_service.address) as channel:
+            own = task_pb2_grpc.GenerationDataServiceStub(channel)
+            start.wait()
+            for _ in range(10):
+                answer = claim(own, tool_id)
+                if answer.HasField("task"):
+                    claimed.append(answer)
+
+    racing.set()
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    claimers = [threading.Thread(target=claimer) for _ in range(16)]
+    for thread in claimers:
+        thread.start()
+    for thread in claimers:
+        thread.join(60)
+    racing.clear()
+    watcher.join(10)
+
+    assert len(claimed) == admitted
+    assert over_cap == []
+    assert counters(sdb) == {"spent": 0, "reserved": cap}
+    assert idle(stub, tool_id) == "capped"
+
+    # Reported costs replace the estimates; room opens as spend stays under the cap.
+    for answer in claimed:
+        complete(stub, answer, cost=estimate // 2)
+    assert counters(sdb) == {"spent": cap // 2, "reserved": 0}
+    ledger = sdb.execute(
+        "SELECT outcome::text, count(*) AS n, sum(cost_nanos) AS cost FROM generation.attempts "
+        "WHERE tool_id = %s GROUP BY outcome",
+        [tool_id],
+    ).fetchall()
+    assert ledger == [{"outcome": "completed", "n": admitted, "cost": cap // 2}]
+    assert claim(stub, tool_id).HasField("task")
+
+
+def test_estimate_zero_needs_the_total_strictly_below_the_cap(stub: Stub, sdb: Db) -> None:
+    set_cap(stub, 1_000)
+    tool_id = new_tool(stub)
+    queue(stub, tool_id)
+    queue(stub, tool_id)
+    complete(stub, claim(stub, tool_id), cost=999)
+    running = claim(stub, tool_id)
+    assert running.HasField("task"), "999 of 1000 spent: an estimate of 0 still fits"
+    complete(stub, running, cost=1)
+    queue(stub, tool_id)
+    assert idle(stub, tool_id) == "capped"
+
+
+def test_the_stricter_cap_wins(stub: Stub, sdb: Db) -> None:
+    set_cap(stub, 10 * UNIT)
+    tool_id = new_tool(stub, cost_estimate_nanos=UNIT, daily_cap_nanos=UNIT + UNIT // 2)
+    for _ in range(3):
+        queue(stub, tool_id)
+    assert claim(stub, tool_id).HasField("task")
+    assert idle(stub, tool_id) == "capped"
+    tool = stub.GetTool(task_pb2.GetToolRequest(tool_id=tool_id)).tool
+    assert (tool.reserved_nanos, tool.daily_cap_nanos) == (UNIT, UNIT + UNIT // 2)
+
+
+def test_a_per_task_estimate_overrides_the_tools(stub: Stub, sdb: Db) -> None:
+    set_cap(stub, 100)
+    tool_id = new_tool(stub, cost_estimate_nanos=1_000)
+    cheap = queue(stub, tool_id, cost_estimate_nanos=60)
+    assert claim(stub, tool_id).task.id == cheap.id
+    assert counters(sdb)["reserved"] == 60
+
+
+def test_fresh_reads_a_cap_changed_in_the_database_binds_at_once(stub: Stub, sdb: Db) -> None:
+    set_cap(stub, UNIT)
+    tool_id = new_tool(stub)
+    queue(stub, tool_id)
+    sdb.execute("UPDATE generation.settings SET daily_cap_nanos = 0")
+    assert idle(stub, tool_id) == "capped"
+
+
+def test_spend_counts_on_the_local_day(stub: Stub, sdb: Db) -> None:
+    set_cap(stub, 1_000)
+    sdb.execute(
+        "UPDATE generation.settings SET spent_nanos = 1000, "
+        "spent_day = (now() AT TIME ZONE timezone)::date - 1"
+    )
+    tool_id = new_tool(stub)
+    queue(stub, tool_id)
+    assert claim(stub, tool_id).HasField("task"), "yesterday's spend does not count today"
+
+
+# --- B2: kill switch and pauses
+
+
+def test_kill_switch_and_pause_keep_attempts(stub: Stub, sdb: Db) -> None:
+    set_cap(stub, UNIT)
+    tool_id = new_tool(stub)
+    task = queue(stub, tool_id)
+    stub.UpdateSettings(task_pb2.UpdateSettingsRequest(enabled=False))
+    assert idle(stub, tool_id) == "disabled"
+    stub.UpdateSettings(task_pb2.UpdateSettingsRequest(enabled=True))
+    stub.ConfigureTool(task_pb2.ConfigureToolRequest(tool_id=tool_id, paused=True))
+    assert idle(stub, tool_id) == "paused"
+    stub.ConfigureTool(task_pb2.ConfigureToolRequest(tool_id=tool_id, paused=False))
+    assert task_row(sdb, task.id)["attempt_count"] == 0
+    assert claim(stub, tool_id).task.id == task.id
+
+
+def test_the_environment_switch_cannot_be_undone_by_the_database(
+    spend_url: str, stub: Stub, sdb: Db, tmp_path: Path
+) -> None:
+    set_cap(stub, UNIT)
+    off = ServiceProcess(spend_url, tmp_path / "off.log", GENQ_DISABLED="true")
+    try:
+        tool_id = new_tool(off.stub)
+        queue(off.stub, tool_id)
+        settings = off.stub.UpdateSettings(task_pb2.UpdateSettingsRequest(enabled=True)).settings
+        assert settings.enabled and settings.disabled_by_environment
+        assert idle(off.stub, tool_id) == "disabled"
+    finally:
+        off.stop()
+
+
+# --- B3: backoff
+
+
+def test_retryable_failure_backs_off_with_full_jitter(stub: Stub, sdb: Db) -> None:
+    set_cap(stub, UNIT)
+    stub.UpdateSettings(task_pb2.UpdateSettingsRequest(cooldown_threshold=100))
+    tool_id = new_tool(stub)
+    stub.ConfigureTool(
+        task_pb2.ConfigureToolRequest(
+            tool_id=tool_id, backoff_base_seconds=100, backoff_max_seconds=150
+        )
+    )
+    task = queue(stub, tool_id, max_retries=5)
+    for attempt, ceiling in ((1, 100), (2, 150), (3, 150)):
+        requeued = fail(stub, claim(stub, tool_id), task_pb2.FAILURE_KIND_RETRYABLE)
+        assert requeued.status == task_pb2.TASK_STATUS_QUEUED
+        delay = sdb.execute(
+            "SELECT extract(epoch FROM run_at - now()) AS s FROM generation.tasks WHERE id = %s",
+            [task.id],
+        ).fetchone()
+        assert delay is not None and -1 <= delay["s"] <= ceiling, (attempt, delay)
+        sdb.execute(
+            "UPDATE generation.tasks SET run_at = now() + interval '1 hour' WHERE id = %s",
+            [task.id],
+        )
+        assert idle(stub, tool_id) == "waiting", "never claimed before its time"
+        sdb.execute("UPDATE generation.tasks SET run_at = now() WHERE id = %s", [task.id])
+
+
+# --- B4: cooldowns and holds
+
+
+def test_two_retryable_failures_cool_the_key_without_using_more_attempts(
+    stub: Stub, sdb: Db
+) -> None:
+    set_cap(stub, UNIT)
+    tool_id = new_tool(stub, resource_key="provider/model-x")
+    first = queue(stub, tool_id, max_retries=10)
+    second = queue(stub, tool_id, max_retries=10)
+    fail(stub, claim(stub, tool_id), task_pb2.FAILURE_KIND_RETRYABLE)
+    fail(stub, claim(stub, tool_id), task_pb2.FAILURE_KIND_RETRYABLE)
+    assert idle(stub, tool_id) == "cooling"
+    attempts = {t: task_row(sdb, t)["retry_count"] for t in (first.id, second.id)}
+    assert sorted(attempts.values()) == [0, 2] or sorted(attempts.values()) == [1, 1]
+    released = stub.ReleaseCooldown(
+        task_pb2.ReleaseCooldownRequest(resource_key="provider/model-x")
+    )
+    assert released.released
+    assert claim(stub, tool_id).HasField("task")
+
+
+def test_a_success_resets_the_failure_count(stub: Stub, sdb: Db) -> None:
+    set_cap(stub, UNIT)
+    tool_id = new_tool(stub)
+    for _ in range(3):
+        queue(stub, tool_id, max_retries=10)
+    fail(stub, claim(stub, tool_id), task_pb2.FAILURE_KIND_RETRYABLE)
+    complete(stub, claim(stub, tool_id))
+    fail(stub, claim(stub, tool_id), task_pb2.FAILURE_KIND_RETRYABLE)
+    assert claim(stub, tool_id).HasField("task"), "one failure since the success: not cooling"
+
+
+def test_account_error_holds_the_group_and_keeps_the_attempt(stub: Stub, sdb: Db) -> None:
+    set_cap(stub, UNIT)
+    group = f"account-{uuid.uuid4().hex[:6]}"
+    tool_a = new_tool(stub, account_group=group)
+    tool_b = new_tool(stub, account_group=group)
+    task = queue(stub, tool_a)
+    queue(stub, tool_b)
+    requeued = fail(stub, claim(stub, tool_a), task_pb2.FAILURE_KIND_ACCOUNT)
+    assert (requeued.status, requeued.retry_count) == (task_pb2.TASK_STATUS_QUEUED, 0)
+    assert idle(stub, tool_a) == "held"
+    assert idle(stub, tool_b) == "held"
+    assert stub.ReleaseHold(task_pb2.ReleaseHoldRequest(account_group=group)).released
+    assert claim(stub, tool_a).task.id == task.id
+
+
+# --- B5: the attempts ledger
+
+
+def test_reclaimed_zombie_closes_abandoned_and_a_late_report_keeps_its_cost(
+    stub: Stub, sdb: Db
+) -> None:
+    set_cap(stub, UNIT)
+    tool_id = new_tool(stub, cost_estimate_nanos=100)
+    task = queue(stub, tool_id)
+    old = claim(stub, tool_id)
+    sdb.execute(
+        "UPDATE generation.tasks SET claim_expires_at = now() - interval '1 s' WHERE id = %s",
+        [task.id],
+    )
+    wait_for(lambda: task_row(sdb, task.id)["reclaimed"], what="the rescue")
+    assert counters(sdb)["reserved"] == 0, "the abandoned attempt's reservation is released"
+    new = claim(stub, tool_id)
+    with pytest.raises(grpc.RpcError) as caught:
+        complete(stub, old, cost=70)
+    assert from_rpc_error(caught.value).reason == Reason.LEASE_LOST
+    complete(stub, new, cost=30)
+    ledger = sdb.execute(
+        "SELECT attempt, outcome::text, cost_nanos, local_day = (now() AT TIME ZONE 'UTC')::date "
+        "AS today FROM generation.attempts WHERE task_id = %s ORDER BY attempt",
+        [task.id],
+    ).fetchall()
+    assert ledger == [
+        {"attempt": 1, "outcome": "lease_lost", "cost_nanos": 70, "today": True},
+        {"attempt": 2, "outcome": "completed", "cost_nanos": 30, "today": True},
+    ]
+    assert counters(sdb) == {"spent": 100, "reserved": 0}
+    assert task_row(sdb, task.id)["status"] == "completed"
+
+
+def test_a_repeated_complete_does_not_count_twice(stub: Stub, sdb: Db) -> None:
+    set_cap(stub, UNIT)
+    tool_id = new_tool(stub)
+    queue(stub, tool_id)
+    claimed = claim(stub, tool_id)
+    complete(stub, claimed, cost=40)
+    with pytest.raises(grpc.RpcError):
+        complete(stub, claimed, cost=40)
+    assert counters(sdb)["spent"] == 40
+
+
+# --- B6: enqueue features
+
+
+def test_idempotency_key_return_conflict_and_requeue(stub: Stub, sdb: Db) -> None:
+    set_cap(stub, UNIT)
+    tool_id = new_tool(stub)
+    first = queue(stub, tool_id, idempotency_key="job-1", input={"n": 1})
+    again = queue(stub, tool_id, idempotency_key="job-1", input={"n": 1})
+    assert again.id == first.id
+    with pytest.raises(grpc.RpcError) as caught:
+        queue(stub, tool_id, idempotency_key="job-1", input={"n": 2})
+    error = from_rpc_error(caught.value)
+    assert (error.code, error.reason) == (
+        grpc.StatusCode.ALREADY_EXISTS,
+        Reason.IDEMPOTENCY_KEY_REUSED,
+    )
+    fail(stub, claim(stub, tool_id), task_pb2.FAILURE_KIND_PERMANENT)
+    kept = queue(stub, tool_id, idempotency_key="job-1", input={"n": 1})
+    assert kept.status == task_pb2.TASK_STATUS_FAILED
+    requeued = queue(
+        stub,
+        tool_id,
+        idempotency_key="job-1",
+        input={"n": 1},
+        on_conflict=task_pb2.ON_CONFLICT_REQUEUE,
+    )
+    assert (requeued.id, requeued.status, requeued.retry_count) == (
+        first.id,
+        task_pb2.TASK_STATUS_QUEUED,
+        0,
+    )
+
+
+def test_concurrent_duplicates_make_one_row(
+    spend_service: ServiceProcess, stub: Stub, sdb: Db
+) -> None:
+    tool_id = new_tool(stub)
+    answers: list[str] = []
+    start = threading.Barrier(16)
+
+    def enqueue() -> None:
+        with grpc.insecure_channel(spend_service.address) as channel:
+            own = task_pb2_grpc.GenerationDataServiceStub(channel)
+            start.wait()
+            answers.append(queue(own, tool_id, idempotency_key="dup", input={"x": 1}).id)
+
+    threads = [threading.Thread(target=enqueue) for _ in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert len(answers) == 16 and len(set(answers)) == 1
+    count = sdb.execute(
+        "SELECT count(*) AS n FROM generation.tasks WHERE tool_id = %s", [tool_id]
+    ).fetchone()
+    assert count == {"n": 1}
+
+
+def test_not_before_and_expiry(stub: Stub, sdb: Db) -> None:
+    set_cap(stub, UNIT)
+    tool_id = new_tool(stub)
+    now = sdb.execute("SELECT extract(epoch FROM now())::bigint AS t").fetchone()
+    assert now is not None
+    later = timestamp_pb2.Timestamp(seconds=now["t"] + 3600)  # by the database's clock
+    queue(stub, tool_id, run_after=later)
+    assert idle(stub, tool_id) == "waiting"
+    short = queue(stub, tool_id, ttl=duration_pb2.Duration(nanos=1_000_000))
+    wait_for(lambda: task_row(sdb, short.id)["status"] == "expired", what="the expiry sweep")
+    kinds = sdb.execute(
+        "SELECT kind::text FROM generation.task_events WHERE task_id = %s", [short.id]
+    ).fetchall()
+    assert kinds == [{"kind": "expired"}]
+    forever = queue(stub, tool_id, ttl=duration_pb2.Duration())
+    assert task_row(sdb, forever.id)["expires_at"] is None
+    default = queue(stub, tool_id)
+    lifetime = sdb.execute(
+        "SELECT expires_at - run_at AS ttl FROM generation.tasks WHERE id = %s", [default.id]
+    ).fetchone()
+    assert lifetime is not None and lifetime["ttl"].days == 7
+
+
+def test_expiry_is_suspended_while_the_switch_is_off(stub: Stub, sdb: Db) -> None:
+    tool_id = new_tool(stub)
+    stub.UpdateSettings(task_pb2.UpdateSettingsRequest(enabled=False))
+    task = queue(stub, tool_id, ttl=duration_pb2.Duration(nanos=1_000_000))
+    sweep = {"batch": 1000, "disabled_override": False}
+    assert sdb.execute(housekeeping.EXPIRE_SQL, sweep).fetchall() == []
+    assert task_row(sdb, task.id)["status"] == "queued", "a pause keeps its backlog"
+    stub.UpdateSettings(task_pb2.UpdateSettingsRequest(enabled=True))
+    wait_for(lambda: task_row(sdb, task.id)["status"] == "expired", what="the expiry sweep")
+
+
+def test_cancel_one_by_filter_and_retry(stub: Stub, sdb: Db) -> None:
+    set_cap(stub, UNIT)
+    tool_id = new_tool(stub, cost_estimate_nanos=10)
+    queued = queue(stub, tool_id)
+    cancelled = stub.CancelTask(task_pb2.CancelTaskRequest(task_id=queued.id)).task
+    assert cancelled.status == task_pb2.TASK_STATUS_CANCELLED
+    running_task = queue(stub, tool_id)
+    running = claim(stub, tool_id)
+    assert running.task.id == running_task.id
+    stub.CancelTask(task_pb2.CancelTaskRequest(task_id=running_task.id))
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.HeartbeatTask(
+            task_pb2.HeartbeatTaskRequest(task_id=running_task.id, lease_token=running.lease_token)
+        )
+    assert from_rpc_error(caught.value).reason == Reason.LEASE_LOST
+    assert counters(sdb)["reserved"] == 0
+    with pytest.raises(grpc.RpcError) as finished:
+        stub.CancelTask(task_pb2.CancelTaskRequest(task_id=running_task.id))
+    assert from_rpc_error(finished.value).reason == Reason.TASK_FINISHED
+
+    batch = [queue(stub, tool_id, idempotency_key=f"bulk-{i}") for i in range(3)]
+    other = queue(stub, tool_id, idempotency_key="keep")
+    gone = stub.CancelTasks(
+        task_pb2.CancelTasksRequest(tool_id=tool_id, idempotency_key_prefix="bulk-")
+    )
+    assert gone.cancelled == 3
+    assert {task_row(sdb, t.id)["status"] for t in batch} == {"cancelled"}
+    assert task_row(sdb, other.id)["status"] == "queued"
+
+    retried = stub.RetryTask(task_pb2.RetryTaskRequest(task_id=queued.id)).task
+    assert (retried.status, retried.retry_count) == (task_pb2.TASK_STATUS_QUEUED, 0)
+    with pytest.raises(grpc.RpcError) as not_failed:
+        stub.RetryTask(task_pb2.RetryTaskRequest(task_id=other.id))
+    assert from_rpc_error(not_failed.value).reason == Reason.TASK_NOT_RETRYABLE
+
+
+def test_queue_tasks_enqueues_many_in_one_call(stub: Stub, sdb: Db) -> None:
+    tool_id = new_tool(stub)
+    queue(stub, tool_id, idempotency_key="taken")
+    items = [task_pb2.QueueTaskRequest(input={"i": i}, priority=i % 3) for i in range(200)]
+    items.append(task_pb2.QueueTaskRequest(idempotency_key="taken"))
+    answer = stub.QueueTasks(task_pb2.QueueTasksRequest(tool_id=tool_id, tasks=items))
+    assert (len(answer.tasks), answer.skipped) == (200, 1)
+    assert [t.input["i"] for t in answer.tasks] == list(range(200))
+    count = sdb.execute(
+        "SELECT count(*) AS n FROM generation.tasks WHERE tool_id = %s", [tool_id]
+    ).fetchone()
+    assert count == {"n": 201}
