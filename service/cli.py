@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+from decimal import Decimal, InvalidOperation
 
 from service.settings import Settings
 
@@ -102,6 +103,42 @@ async def _reconcile(
         return 0
 
 
+NANOS = Decimal(1_000_000_000)
+
+
+def to_nanos(amount: str) -> int:
+    """A decimal amount of the currency unit as integer nanos (no floats on the way)."""
+    try:
+        value = Decimal(amount) * NANOS
+    except InvalidOperation:
+        raise argparse.ArgumentTypeError(f"not an amount: {amount!r}") from None
+    if value < 0 or value != value.to_integral_value():
+        raise argparse.ArgumentTypeError(f"not a non-negative amount in nanos: {amount!r}")
+    return int(value)
+
+
+def cmd_cap(args: argparse.Namespace, settings: Settings) -> int:
+    from generation.task.v1 import task_pb2
+    from workers_sdk.client import GenqClient
+    from workers_sdk.errors import GenqError
+
+    async def update() -> task_pb2.Settings:
+        async with GenqClient(args.target or os.environ.get("GENQ_ADDR") or "localhost:50051") as c:
+            request = task_pb2.UpdateSettingsRequest(daily_cap_nanos=args.amount)
+            if args.currency is not None:
+                request.currency = args.currency
+            answer = await c.call("UpdateSettings", request)
+            return answer.settings  # type: ignore[no-any-return]
+
+    try:
+        stored = asyncio.run(update())
+    except GenqError as error:
+        print(f"genq cap: {error}", file=sys.stderr)
+        return 1
+    print(f"daily cap: {Decimal(stored.daily_cap_nanos) / NANOS} {stored.currency}".rstrip())
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(
         prog="genq",
@@ -147,6 +184,16 @@ def parser() -> argparse.ArgumentParser:
         help="the service's address (default: GENQ_ADDR, else localhost:50051)",
     )
     reconcile.set_defaults(run=cmd_reconcile)
+    cap = commands.add_parser(
+        "cap",
+        help="set the global daily spend cap (until one is set, nothing runs)",
+        description="Set the global daily spend cap, in currency units (e.g. 2.50; stored as "
+        "integer nanos). A cap of 0 runs nothing. Talks to the service at --target over gRPC.",
+    )
+    cap.add_argument("amount", type=to_nanos, help="the cap in currency units, e.g. 2.50")
+    cap.add_argument("--currency", help="a display label, e.g. EUR")
+    cap.add_argument("--target", metavar="HOST:PORT", help="default: GENQ_ADDR or localhost:50051")
+    cap.set_defaults(run=cmd_cap)
     return top
 
 

@@ -21,6 +21,7 @@ from psycopg.rows import dict_row
 from generation.task.v1 import task_pb2, task_pb2_grpc
 from service import housekeeping
 from tests.conftest import Databases, ServiceProcess, url_for, wait_for
+from tests.test_server import genq
 from workers_sdk.errors import Reason, from_rpc_error
 
 Stub = task_pb2_grpc.GenerationDataServiceStub
@@ -550,3 +551,14 @@ def test_queue_tasks_enqueues_many_in_one_call(stub: Stub, sdb: Db) -> None:
         "SELECT count(*) AS n FROM generation.tasks WHERE tool_id = %s", [tool_id]
     ).fetchone()
     assert count == {"n": 201}
+
+
+def test_genq_cap_sets_the_cap_in_nanos(spend_service: ServiceProcess, stub: Stub) -> None:
+    result = genq("cap", "2.50", "--currency", "EUR", "--target", spend_service.address)
+    assert result.returncode == 0, result.stderr
+    assert "2.5" in result.stdout
+    stored = stub.GetSettings(task_pb2.GetSettingsRequest()).settings
+    assert (stored.daily_cap_nanos, stored.currency) == (2_500_000_000, "EUR")
+    for bad in ("-1", "abc", "0.0000000001"):
+        refused = genq("cap", bad, "--target", spend_service.address)
+        assert refused.returncode == 2, bad
