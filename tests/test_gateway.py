@@ -160,9 +160,16 @@ def test_enqueue_stores_its_options_and_unset_ones_take_the_defaults(
                 idempotency_key=key,
             ),
             await gateway.enqueue(tool_id, {}),
+            await gateway.enqueue(
+                tool_id,
+                {"prompt": "a dog", "n": 2, "style": {"tone": "warm"}},
+                reserved_token_amount=1_500,
+                idempotency_key=key,
+            ),
         ]
 
-    with_options, plain = run_with_gateway(service, scenario)
+    with_options, plain, retried = run_with_gateway(service, scenario)
+    assert retried.id == with_options.id, "the same key and input answer with the same task"
 
     stored = row(db, with_options.id)
     assert stored["input"] == {"prompt": "a dog", "n": 2, "style": {"tone": "warm"}}

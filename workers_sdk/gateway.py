@@ -11,10 +11,10 @@ is the reconciler's job (`workers_sdk.reconciler`), not this client's.
         async for event in gateway.follow(task.id):
             ...
 
-Idempotency: `idempotency_key` is stored as the task's `billing_idempotency_key`, the key the
-gateway's billing uses for the reservation. It does NOT make the enqueue idempotent yet: enqueuing
-twice with one key makes two tasks. A retried enqueue after an ambiguous failure (a deadline, or
-UNAVAILABLE after the request was sent) may therefore duplicate the task.
+Idempotency: `idempotency_key` makes the enqueue idempotent per tool and is also stored as the
+task's `billing_idempotency_key`, the key the gateway's billing uses for the reservation. A
+retried enqueue after an ambiguous failure (a deadline, or UNAVAILABLE after the request was
+sent) answers with the task the first try created.
 """
 
 from __future__ import annotations
@@ -65,8 +65,10 @@ class GatewayClient:
 
         Runs in a span "enqueue <tool_id>"; that span's W3C traceparent is stored with the task,
         so the worker's spans continue the caller's trace as children of the enqueue. Unset
-        `priority` and `max_retries` take the service's defaults (0 and 3). `idempotency_key`
-        is stored for billing only (see the module docstring).
+        `priority` and `max_retries` take the service's defaults (0 and the tool's
+        max_attempts). `idempotency_key` makes the enqueue idempotent per tool: the same key and
+        input answer with the task already queued (a different input is ALREADY_EXISTS); it is
+        also stored as the billing key the gateway settles against.
         """
         with self.tracer.start_as_current_span(
             f"enqueue {tool_id}",
@@ -77,6 +79,7 @@ class GatewayClient:
                 tool_id=tool_id,
                 input=_struct(input),
                 reserved_token_amount=reserved_token_amount,
+                idempotency_key=idempotency_key or "",
                 billing_idempotency_key=idempotency_key or "",
                 # Taken inside the span, so it names the enqueue span; with no tracing SDK
                 # installed it is the caller's own context (or "" when there is none).
