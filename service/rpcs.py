@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from datetime import UTC
 from typing import Any
 
+from google.protobuf import json_format
 from google.protobuf.message import Message
 from psycopg.types.json import Jsonb
 
@@ -373,6 +374,65 @@ def bind_get_settings(request: task_pb2.GetSettingsRequest, settings: Settings) 
     return _overrides(settings)
 
 
+def bind_get_status(request: task_pb2.GetStatusRequest, settings: Settings) -> Params:
+    return {
+        "worker_silence_seconds": validation.in_range(
+            "worker_silence_seconds", request.worker_silence_seconds, 0, 30 * 86_400
+        )
+        or 600,
+        **_overrides(settings),
+    }
+
+
+def respond_status(rows: list[Row]) -> task_pb2.GetStatusResponse:
+    status = json_format.ParseDict(rows[0]["status"], task_pb2.Status(), ignore_unknown_fields=True)
+    return task_pb2.GetStatusResponse(status=status)
+
+
+def bind_list_tasks(request: task_pb2.ListTasksRequest, settings: Settings) -> Params:
+    if request.status not in task_pb2.TaskStatus.values():
+        raise InvalidArgument("status is not a TaskStatus", field="status")
+    return {
+        "tool_id": validation.optional_uuid("tool_id", request.tool_id),
+        "status": task_pb2.TaskStatus.Name(request.status).removeprefix("TASK_STATUS_").lower()
+        if request.status
+        else None,
+        "before": request.before.ToDatetime(tzinfo=UTC) if request.HasField("before") else None,
+        "limit": validation.in_range("limit", request.limit, 0, 1_000) or 50,
+    }
+
+
+def bind_purge_tasks(request: task_pb2.PurgeTasksRequest, settings: Settings) -> Params:
+    return {
+        "older_than_days": _optional(
+            request, "older_than_days", lambda n, v: validation.in_range(n, v, 0, 36_500)
+        ),
+        "batch_size": validation.in_range("batch_size", request.batch_size, 0, 10_000) or 1_000,
+    }
+
+
+def bind_get_stats(request: task_pb2.GetStatsRequest, settings: Settings) -> Params:
+    return {"days": validation.in_range("days", request.days, 0, 3_660) or 7}
+
+
+def respond_stats(rows: list[Row]) -> task_pb2.GetStatsResponse:
+    return task_pb2.GetStatsResponse(
+        days=[
+            task_pb2.DayStats(
+                local_day=row["local_day"].isoformat(),
+                tool_id=str(row["tool_id"]),
+                tool_name=row["tool_name"],
+                attempts=row["attempts"],
+                completed=row["completed"],
+                failed=row["failed"],
+                lost=row["lost"],
+                cost_nanos=row["cost_nanos"],
+            )
+            for row in rows
+        ]
+    )
+
+
 def bind_release_cooldown(request: task_pb2.ReleaseCooldownRequest, settings: Settings) -> Params:
     return {"resource_key": _key("resource_key", request.resource_key)}
 
@@ -583,6 +643,18 @@ BINDINGS: dict[str, Binding] = {
         after=signal_requeue,
     ),
     "ListStaleTasks": Binding(bind_list_stale_tasks, respond_stale),
+    "GetStatus": Binding(bind_get_status, respond_status),
+    "ListTasks": Binding(
+        bind_list_tasks,
+        lambda rows: task_pb2.ListTasksResponse(tasks=[messages.task(r) for r in rows]),
+    ),
+    "PurgeTasks": Binding(
+        bind_purge_tasks,
+        lambda rows: task_pb2.PurgeTasksResponse(
+            purged=rows[0]["purged"], retention_days=rows[0]["retention_days"]
+        ),
+    ),
+    "GetStats": Binding(bind_get_stats, respond_stats),
     "GetTask": Binding(bind_task_id, respond_get_task),
     "PublishTaskEvent": Binding(
         bind_publish_task_event,

@@ -1815,3 +1815,427 @@ class SettleTaskResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SettleTaskResponse: _TypeAlias = SettleTaskResponse  # noqa: Y015
+
+@_typing.final
+class GetStatusRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_SILENCE_SECONDS_FIELD_NUMBER: _builtins.int
+    worker_silence_seconds: _builtins.int
+    """A tool with queued work and no claim for this long is flagged; 0 means 600."""
+    def __init__(
+        self,
+        *,
+        worker_silence_seconds: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["worker_silence_seconds", b"worker_silence_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetStatusRequest: _TypeAlias = GetStatusRequest  # noqa: Y015
+
+@_typing.final
+class ToolStatus(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOOL_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    PAUSED_FIELD_NUMBER: _builtins.int
+    DAILY_CAP_NANOS_FIELD_NUMBER: _builtins.int
+    SPENT_TODAY_NANOS_FIELD_NUMBER: _builtins.int
+    RESERVED_NANOS_FIELD_NUMBER: _builtins.int
+    LAST_CLAIM_AT_FIELD_NUMBER: _builtins.int
+    QUEUED_FIELD_NUMBER: _builtins.int
+    NO_WORKER_SEEN_FIELD_NUMBER: _builtins.int
+    tool_id: _builtins.str
+    name: _builtins.str
+    paused: _builtins.bool
+    daily_cap_nanos: _builtins.int
+    spent_today_nanos: _builtins.int
+    reserved_nanos: _builtins.int
+    queued: _builtins.int
+    no_worker_seen: _builtins.bool
+    """Queued work and no claim within worker_silence_seconds: is a worker running?"""
+    @_builtins.property
+    def last_claim_at(self) -> _timestamp_pb2.Timestamp:
+        """The last time any worker claimed one of its tasks."""
+
+    def __init__(
+        self,
+        *,
+        tool_id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        paused: _builtins.bool = ...,
+        daily_cap_nanos: _builtins.int | None = ...,
+        spent_today_nanos: _builtins.int = ...,
+        reserved_nanos: _builtins.int = ...,
+        last_claim_at: _timestamp_pb2.Timestamp | None = ...,
+        queued: _builtins.int = ...,
+        no_worker_seen: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_daily_cap_nanos", b"_daily_cap_nanos", "daily_cap_nanos", b"daily_cap_nanos", "last_claim_at", b"last_claim_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_daily_cap_nanos", b"_daily_cap_nanos", "daily_cap_nanos", b"daily_cap_nanos", "last_claim_at", b"last_claim_at", "name", b"name", "no_worker_seen", b"no_worker_seen", "paused", b"paused", "queued", b"queued", "reserved_nanos", b"reserved_nanos", "spent_today_nanos", b"spent_today_nanos", "tool_id", b"tool_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__daily_cap_nanos: _TypeAlias = _typing.Literal["daily_cap_nanos"]  # noqa: Y015
+    _WhichOneofArgType__daily_cap_nanos: _TypeAlias = _typing.Literal["_daily_cap_nanos", b"_daily_cap_nanos"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__daily_cap_nanos) -> _WhichOneofReturnType__daily_cap_nanos | None: ...
+
+Global___ToolStatus: _TypeAlias = ToolStatus  # noqa: Y015
+
+@_typing.final
+class QueueDepth(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOOL_ID_FIELD_NUMBER: _builtins.int
+    TOOL_NAME_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    OLDEST_AGE_FIELD_NUMBER: _builtins.int
+    tool_id: _builtins.str
+    tool_name: _builtins.str
+    status: Global___TaskStatus.ValueType
+    count: _builtins.int
+    @_builtins.property
+    def oldest_age(self) -> _duration_pb2.Duration: ...
+    def __init__(
+        self,
+        *,
+        tool_id: _builtins.str = ...,
+        tool_name: _builtins.str = ...,
+        status: Global___TaskStatus.ValueType = ...,
+        count: _builtins.int = ...,
+        oldest_age: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["oldest_age", b"oldest_age"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "oldest_age", b"oldest_age", "status", b"status", "tool_id", b"tool_id", "tool_name", b"tool_name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___QueueDepth: _TypeAlias = QueueDepth  # noqa: Y015
+
+@_typing.final
+class Cooldown(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESOURCE_KEY_FIELD_NUMBER: _builtins.int
+    COOLING_UNTIL_FIELD_NUMBER: _builtins.int
+    CONSECUTIVE_FAILURES_FIELD_NUMBER: _builtins.int
+    resource_key: _builtins.str
+    consecutive_failures: _builtins.int
+    @_builtins.property
+    def cooling_until(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        resource_key: _builtins.str = ...,
+        cooling_until: _timestamp_pb2.Timestamp | None = ...,
+        consecutive_failures: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cooling_until", b"cooling_until"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consecutive_failures", b"consecutive_failures", "cooling_until", b"cooling_until", "resource_key", b"resource_key"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Cooldown: _TypeAlias = Cooldown  # noqa: Y015
+
+@_typing.final
+class Hold(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACCOUNT_GROUP_FIELD_NUMBER: _builtins.int
+    HELD_UNTIL_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    account_group: _builtins.str
+    reason: _builtins.str
+    @_builtins.property
+    def held_until(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        account_group: _builtins.str = ...,
+        held_until: _timestamp_pb2.Timestamp | None = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["held_until", b"held_until"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["account_group", b"account_group", "held_until", b"held_until", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Hold: _TypeAlias = Hold  # noqa: Y015
+
+@_typing.final
+class ThroughputMinute(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MINUTE_FIELD_NUMBER: _builtins.int
+    COMPLETED_FIELD_NUMBER: _builtins.int
+    FAILED_FIELD_NUMBER: _builtins.int
+    completed: _builtins.int
+    failed: _builtins.int
+    """Attempts that ended any other way (failed, retry, abandoned, lease lost, ...)."""
+    @_builtins.property
+    def minute(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        minute: _timestamp_pb2.Timestamp | None = ...,
+        completed: _builtins.int = ...,
+        failed: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["minute", b"minute"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completed", b"completed", "failed", b"failed", "minute", b"minute"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ThroughputMinute: _TypeAlias = ThroughputMinute  # noqa: Y015
+
+@_typing.final
+class Status(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SETTINGS_FIELD_NUMBER: _builtins.int
+    TOOLS_FIELD_NUMBER: _builtins.int
+    DEPTHS_FIELD_NUMBER: _builtins.int
+    COOLING_FIELD_NUMBER: _builtins.int
+    HOLDS_FIELD_NUMBER: _builtins.int
+    STALE_TASKS_FIELD_NUMBER: _builtins.int
+    LAST_HOUR_FIELD_NUMBER: _builtins.int
+    stale_tasks: _builtins.int
+    @_builtins.property
+    def settings(self) -> Global___Settings: ...
+    @_builtins.property
+    def tools(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolStatus]: ...
+    @_builtins.property
+    def depths(self) -> _containers.RepeatedCompositeFieldContainer[Global___QueueDepth]: ...
+    @_builtins.property
+    def cooling(self) -> _containers.RepeatedCompositeFieldContainer[Global___Cooldown]: ...
+    @_builtins.property
+    def holds(self) -> _containers.RepeatedCompositeFieldContainer[Global___Hold]: ...
+    @_builtins.property
+    def last_hour(self) -> _containers.RepeatedCompositeFieldContainer[Global___ThroughputMinute]: ...
+    def __init__(
+        self,
+        *,
+        settings: Global___Settings | None = ...,
+        tools: _abc.Iterable[Global___ToolStatus] | None = ...,
+        depths: _abc.Iterable[Global___QueueDepth] | None = ...,
+        cooling: _abc.Iterable[Global___Cooldown] | None = ...,
+        holds: _abc.Iterable[Global___Hold] | None = ...,
+        stale_tasks: _builtins.int = ...,
+        last_hour: _abc.Iterable[Global___ThroughputMinute] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["settings", b"settings"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cooling", b"cooling", "depths", b"depths", "holds", b"holds", "last_hour", b"last_hour", "settings", b"settings", "stale_tasks", b"stale_tasks", "tools", b"tools"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Status: _TypeAlias = Status  # noqa: Y015
+
+@_typing.final
+class GetStatusResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATUS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def status(self) -> Global___Status: ...
+    def __init__(
+        self,
+        *,
+        status: Global___Status | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["status", b"status"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetStatusResponse: _TypeAlias = GetStatusResponse  # noqa: Y015
+
+@_typing.final
+class ListTasksRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOOL_ID_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    BEFORE_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    tool_id: _builtins.str
+    status: Global___TaskStatus.ValueType
+    limit: _builtins.int
+    """0 means 50; at most 1,000."""
+    @_builtins.property
+    def before(self) -> _timestamp_pb2.Timestamp:
+        """Only tasks created before this (the last one of the previous page)."""
+
+    def __init__(
+        self,
+        *,
+        tool_id: _builtins.str = ...,
+        status: Global___TaskStatus.ValueType = ...,
+        before: _timestamp_pb2.Timestamp | None = ...,
+        limit: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["before", b"before"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["before", b"before", "limit", b"limit", "status", b"status", "tool_id", b"tool_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListTasksRequest: _TypeAlias = ListTasksRequest  # noqa: Y015
+
+@_typing.final
+class ListTasksResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASKS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___Task]: ...
+    def __init__(
+        self,
+        *,
+        tasks: _abc.Iterable[Global___Task] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tasks", b"tasks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListTasksResponse: _TypeAlias = ListTasksResponse  # noqa: Y015
+
+@_typing.final
+class PurgeTasksRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OLDER_THAN_DAYS_FIELD_NUMBER: _builtins.int
+    BATCH_SIZE_FIELD_NUMBER: _builtins.int
+    older_than_days: _builtins.int
+    """Overrides settings.retention_days for this call; 0 keeps everything."""
+    batch_size: _builtins.int
+    """0 means 1,000; at most 10,000."""
+    def __init__(
+        self,
+        *,
+        older_than_days: _builtins.int | None = ...,
+        batch_size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_older_than_days", b"_older_than_days", "older_than_days", b"older_than_days"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_older_than_days", b"_older_than_days", "batch_size", b"batch_size", "older_than_days", b"older_than_days"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__older_than_days: _TypeAlias = _typing.Literal["older_than_days"]  # noqa: Y015
+    _WhichOneofArgType__older_than_days: _TypeAlias = _typing.Literal["_older_than_days", b"_older_than_days"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__older_than_days) -> _WhichOneofReturnType__older_than_days | None: ...
+
+Global___PurgeTasksRequest: _TypeAlias = PurgeTasksRequest  # noqa: Y015
+
+@_typing.final
+class PurgeTasksResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PURGED_FIELD_NUMBER: _builtins.int
+    RETENTION_DAYS_FIELD_NUMBER: _builtins.int
+    purged: _builtins.int
+    retention_days: _builtins.int
+    def __init__(
+        self,
+        *,
+        purged: _builtins.int = ...,
+        retention_days: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["purged", b"purged", "retention_days", b"retention_days"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PurgeTasksResponse: _TypeAlias = PurgeTasksResponse  # noqa: Y015
+
+@_typing.final
+class GetStatsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DAYS_FIELD_NUMBER: _builtins.int
+    days: _builtins.int
+    """0 means 7."""
+    def __init__(
+        self,
+        *,
+        days: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["days", b"days"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetStatsRequest: _TypeAlias = GetStatsRequest  # noqa: Y015
+
+@_typing.final
+class DayStats(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LOCAL_DAY_FIELD_NUMBER: _builtins.int
+    TOOL_ID_FIELD_NUMBER: _builtins.int
+    TOOL_NAME_FIELD_NUMBER: _builtins.int
+    ATTEMPTS_FIELD_NUMBER: _builtins.int
+    COMPLETED_FIELD_NUMBER: _builtins.int
+    FAILED_FIELD_NUMBER: _builtins.int
+    LOST_FIELD_NUMBER: _builtins.int
+    COST_NANOS_FIELD_NUMBER: _builtins.int
+    local_day: _builtins.str
+    tool_id: _builtins.str
+    tool_name: _builtins.str
+    attempts: _builtins.int
+    completed: _builtins.int
+    failed: _builtins.int
+    lost: _builtins.int
+    """Abandoned or lease lost: the worker went away or came back too late."""
+    cost_nanos: _builtins.int
+    def __init__(
+        self,
+        *,
+        local_day: _builtins.str = ...,
+        tool_id: _builtins.str = ...,
+        tool_name: _builtins.str = ...,
+        attempts: _builtins.int = ...,
+        completed: _builtins.int = ...,
+        failed: _builtins.int = ...,
+        lost: _builtins.int = ...,
+        cost_nanos: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "completed", b"completed", "cost_nanos", b"cost_nanos", "failed", b"failed", "local_day", b"local_day", "lost", b"lost", "tool_id", b"tool_id", "tool_name", b"tool_name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DayStats: _TypeAlias = DayStats  # noqa: Y015
+
+@_typing.final
+class GetStatsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DAYS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def days(self) -> _containers.RepeatedCompositeFieldContainer[Global___DayStats]: ...
+    def __init__(
+        self,
+        *,
+        days: _abc.Iterable[Global___DayStats] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["days", b"days"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetStatsResponse: _TypeAlias = GetStatsResponse  # noqa: Y015

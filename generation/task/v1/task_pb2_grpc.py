@@ -124,6 +124,26 @@ class GenerationDataServiceStub:
                 request_serializer=generation_dot_task_dot_v1_dot_task__pb2.ReleaseHoldRequest.SerializeToString,
                 response_deserializer=generation_dot_task_dot_v1_dot_task__pb2.ReleaseHoldResponse.FromString,
                 _registered_method=True)
+        self.GetStatus = channel.unary_unary(
+                '/generation.task.v1.GenerationDataService/GetStatus',
+                request_serializer=generation_dot_task_dot_v1_dot_task__pb2.GetStatusRequest.SerializeToString,
+                response_deserializer=generation_dot_task_dot_v1_dot_task__pb2.GetStatusResponse.FromString,
+                _registered_method=True)
+        self.ListTasks = channel.unary_unary(
+                '/generation.task.v1.GenerationDataService/ListTasks',
+                request_serializer=generation_dot_task_dot_v1_dot_task__pb2.ListTasksRequest.SerializeToString,
+                response_deserializer=generation_dot_task_dot_v1_dot_task__pb2.ListTasksResponse.FromString,
+                _registered_method=True)
+        self.PurgeTasks = channel.unary_unary(
+                '/generation.task.v1.GenerationDataService/PurgeTasks',
+                request_serializer=generation_dot_task_dot_v1_dot_task__pb2.PurgeTasksRequest.SerializeToString,
+                response_deserializer=generation_dot_task_dot_v1_dot_task__pb2.PurgeTasksResponse.FromString,
+                _registered_method=True)
+        self.GetStats = channel.unary_unary(
+                '/generation.task.v1.GenerationDataService/GetStats',
+                request_serializer=generation_dot_task_dot_v1_dot_task__pb2.GetStatsRequest.SerializeToString,
+                response_deserializer=generation_dot_task_dot_v1_dot_task__pb2.GetStatsResponse.FromString,
+                _registered_method=True)
         self.ListStaleTasks = channel.unary_unary(
                 '/generation.task.v1.GenerationDataService/ListStaleTasks',
                 request_serializer=generation_dot_task_dot_v1_dot_task__pb2.ListStaleTasksRequest.SerializeToString,
@@ -308,6 +328,39 @@ class GenerationDataServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetStatus(self, request, context):
+        """What an operator needs at a glance, in one call: the switch, the cap and today's spend and
+        reservations, each tool (paused, spend, last claim, queued work with no worker seen), depth and
+        oldest age per tool and status, cooling keys, held groups, stale tasks, and the last hour's
+        completed and failed attempts per minute. The SQL builds the answer as one JSON document.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListTasks(self, request, context):
+        """Lists tasks, newest first, optionally of one tool and one status; page with `before`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PurgeTasks(self, request, context):
+        """Deletes up to `batch_size` finished tasks older than the retention (settings.retention_days,
+        30; 0 keeps everything), never one whose reservation is not settled yet. Their events go with
+        them; the attempts ledger and the settlements keep the money history. Call until it purges 0.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetStats(self, request, context):
+        """Attempts and cost per local day and tool, from the attempts ledger.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListStaleTasks(self, request, context):
         """The watchdog's list: tasks that can never finish on their own (see StaleReason).
         """
@@ -443,6 +496,26 @@ def add_GenerationDataServiceServicer_to_server(servicer, server):
                     servicer.ReleaseHold,
                     request_deserializer=generation_dot_task_dot_v1_dot_task__pb2.ReleaseHoldRequest.FromString,
                     response_serializer=generation_dot_task_dot_v1_dot_task__pb2.ReleaseHoldResponse.SerializeToString,
+            ),
+            'GetStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStatus,
+                    request_deserializer=generation_dot_task_dot_v1_dot_task__pb2.GetStatusRequest.FromString,
+                    response_serializer=generation_dot_task_dot_v1_dot_task__pb2.GetStatusResponse.SerializeToString,
+            ),
+            'ListTasks': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListTasks,
+                    request_deserializer=generation_dot_task_dot_v1_dot_task__pb2.ListTasksRequest.FromString,
+                    response_serializer=generation_dot_task_dot_v1_dot_task__pb2.ListTasksResponse.SerializeToString,
+            ),
+            'PurgeTasks': grpc.unary_unary_rpc_method_handler(
+                    servicer.PurgeTasks,
+                    request_deserializer=generation_dot_task_dot_v1_dot_task__pb2.PurgeTasksRequest.FromString,
+                    response_serializer=generation_dot_task_dot_v1_dot_task__pb2.PurgeTasksResponse.SerializeToString,
+            ),
+            'GetStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStats,
+                    request_deserializer=generation_dot_task_dot_v1_dot_task__pb2.GetStatsRequest.FromString,
+                    response_serializer=generation_dot_task_dot_v1_dot_task__pb2.GetStatsResponse.SerializeToString,
             ),
             'ListStaleTasks': grpc.unary_unary_rpc_method_handler(
                     servicer.ListStaleTasks,
@@ -939,6 +1012,114 @@ class GenerationDataService:
             '/generation.task.v1.GenerationDataService/ReleaseHold',
             generation_dot_task_dot_v1_dot_task__pb2.ReleaseHoldRequest.SerializeToString,
             generation_dot_task_dot_v1_dot_task__pb2.ReleaseHoldResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/generation.task.v1.GenerationDataService/GetStatus',
+            generation_dot_task_dot_v1_dot_task__pb2.GetStatusRequest.SerializeToString,
+            generation_dot_task_dot_v1_dot_task__pb2.GetStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListTasks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/generation.task.v1.GenerationDataService/ListTasks',
+            generation_dot_task_dot_v1_dot_task__pb2.ListTasksRequest.SerializeToString,
+            generation_dot_task_dot_v1_dot_task__pb2.ListTasksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PurgeTasks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/generation.task.v1.GenerationDataService/PurgeTasks',
+            generation_dot_task_dot_v1_dot_task__pb2.PurgeTasksRequest.SerializeToString,
+            generation_dot_task_dot_v1_dot_task__pb2.PurgeTasksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/generation.task.v1.GenerationDataService/GetStats',
+            generation_dot_task_dot_v1_dot_task__pb2.GetStatsRequest.SerializeToString,
+            generation_dot_task_dot_v1_dot_task__pb2.GetStatsResponse.FromString,
             options,
             channel_credentials,
             insecure,

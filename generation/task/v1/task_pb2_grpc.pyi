@@ -109,6 +109,21 @@ class GenerationDataServiceStub:
     """Ends a resource key's cooldown now."""
     ReleaseHold: _grpc.UnaryUnaryMultiCallable[_task_pb2.ReleaseHoldRequest, _task_pb2.ReleaseHoldResponse]
     """Ends an account group's hold now."""
+    GetStatus: _grpc.UnaryUnaryMultiCallable[_task_pb2.GetStatusRequest, _task_pb2.GetStatusResponse]
+    """What an operator needs at a glance, in one call: the switch, the cap and today's spend and
+    reservations, each tool (paused, spend, last claim, queued work with no worker seen), depth and
+    oldest age per tool and status, cooling keys, held groups, stale tasks, and the last hour's
+    completed and failed attempts per minute. The SQL builds the answer as one JSON document.
+    """
+    ListTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.ListTasksRequest, _task_pb2.ListTasksResponse]
+    """Lists tasks, newest first, optionally of one tool and one status; page with `before`."""
+    PurgeTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.PurgeTasksRequest, _task_pb2.PurgeTasksResponse]
+    """Deletes up to `batch_size` finished tasks older than the retention (settings.retention_days,
+    30; 0 keeps everything), never one whose reservation is not settled yet. Their events go with
+    them; the attempts ledger and the settlements keep the money history. Call until it purges 0.
+    """
+    GetStats: _grpc.UnaryUnaryMultiCallable[_task_pb2.GetStatsRequest, _task_pb2.GetStatsResponse]
+    """Attempts and cost per local day and tool, from the attempts ledger."""
     ListStaleTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.ListStaleTasksRequest, _task_pb2.ListStaleTasksResponse]
     """The watchdog's list: tasks that can never finish on their own (see StaleReason)."""
     GetTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.GetTaskRequest, _task_pb2.GetTaskResponse]
@@ -211,6 +226,21 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     """Ends a resource key's cooldown now."""
     ReleaseHold: _aio.UnaryUnaryMultiCallable[_task_pb2.ReleaseHoldRequest, _task_pb2.ReleaseHoldResponse]  # type: ignore[assignment]
     """Ends an account group's hold now."""
+    GetStatus: _aio.UnaryUnaryMultiCallable[_task_pb2.GetStatusRequest, _task_pb2.GetStatusResponse]  # type: ignore[assignment]
+    """What an operator needs at a glance, in one call: the switch, the cap and today's spend and
+    reservations, each tool (paused, spend, last claim, queued work with no worker seen), depth and
+    oldest age per tool and status, cooling keys, held groups, stale tasks, and the last hour's
+    completed and failed attempts per minute. The SQL builds the answer as one JSON document.
+    """
+    ListTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.ListTasksRequest, _task_pb2.ListTasksResponse]  # type: ignore[assignment]
+    """Lists tasks, newest first, optionally of one tool and one status; page with `before`."""
+    PurgeTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.PurgeTasksRequest, _task_pb2.PurgeTasksResponse]  # type: ignore[assignment]
+    """Deletes up to `batch_size` finished tasks older than the retention (settings.retention_days,
+    30; 0 keeps everything), never one whose reservation is not settled yet. Their events go with
+    them; the attempts ledger and the settlements keep the money history. Call until it purges 0.
+    """
+    GetStats: _aio.UnaryUnaryMultiCallable[_task_pb2.GetStatsRequest, _task_pb2.GetStatsResponse]  # type: ignore[assignment]
+    """Attempts and cost per local day and tool, from the attempts ledger."""
     ListStaleTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.ListStaleTasksRequest, _task_pb2.ListStaleTasksResponse]  # type: ignore[assignment]
     """The watchdog's list: tasks that can never finish on their own (see StaleReason)."""
     GetTask: _aio.UnaryUnaryMultiCallable[_task_pb2.GetTaskRequest, _task_pb2.GetTaskResponse]  # type: ignore[assignment]
@@ -412,6 +442,45 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.ReleaseHoldResponse, _abc.Awaitable[_task_pb2.ReleaseHoldResponse]]:
         """Ends an account group's hold now."""
+
+    @_abc_1.abstractmethod
+    def GetStatus(
+        self,
+        request: _task_pb2.GetStatusRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_task_pb2.GetStatusResponse, _abc.Awaitable[_task_pb2.GetStatusResponse]]:
+        """What an operator needs at a glance, in one call: the switch, the cap and today's spend and
+        reservations, each tool (paused, spend, last claim, queued work with no worker seen), depth and
+        oldest age per tool and status, cooling keys, held groups, stale tasks, and the last hour's
+        completed and failed attempts per minute. The SQL builds the answer as one JSON document.
+        """
+
+    @_abc_1.abstractmethod
+    def ListTasks(
+        self,
+        request: _task_pb2.ListTasksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_task_pb2.ListTasksResponse, _abc.Awaitable[_task_pb2.ListTasksResponse]]:
+        """Lists tasks, newest first, optionally of one tool and one status; page with `before`."""
+
+    @_abc_1.abstractmethod
+    def PurgeTasks(
+        self,
+        request: _task_pb2.PurgeTasksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_task_pb2.PurgeTasksResponse, _abc.Awaitable[_task_pb2.PurgeTasksResponse]]:
+        """Deletes up to `batch_size` finished tasks older than the retention (settings.retention_days,
+        30; 0 keeps everything), never one whose reservation is not settled yet. Their events go with
+        them; the attempts ledger and the settlements keep the money history. Call until it purges 0.
+        """
+
+    @_abc_1.abstractmethod
+    def GetStats(
+        self,
+        request: _task_pb2.GetStatsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_task_pb2.GetStatsResponse, _abc.Awaitable[_task_pb2.GetStatsResponse]]:
+        """Attempts and cost per local day and tool, from the attempts ledger."""
 
     @_abc_1.abstractmethod
     def ListStaleTasks(

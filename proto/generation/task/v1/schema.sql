@@ -102,6 +102,10 @@ CREATE INDEX tasks_claim_idx ON generation.tasks (tool_id, reclaimed DESC, prior
 CREATE UNIQUE INDEX tasks_idempotency_key_idx ON generation.tasks (tool_id, idempotency_key)
     WHERE idempotency_key IS NOT NULL;
 
+-- Finished tasks by age, for the retention purge.
+CREATE INDEX tasks_finished_idx ON generation.tasks (completed_at)
+    WHERE status IN ('completed', 'failed', 'cancelled', 'expired');
+
 -- Queued tasks by expiry, for the sweep that expires them.
 CREATE INDEX tasks_expiry_idx ON generation.tasks (expires_at) WHERE status = 'queued';
 
@@ -231,6 +235,9 @@ CREATE TABLE generation.attempts (
     CONSTRAINT attempts_money_nonnegative CHECK (estimate_nanos >= 0 AND cost_nanos >= 0)
 );
 CREATE INDEX attempts_local_day_idx ON generation.attempts (local_day);
+-- When each tool last claimed (a worker is alive), and the last hour's throughput.
+CREATE INDEX attempts_tool_started_idx ON generation.attempts (tool_id, started_at);
+CREATE INDEX attempts_ended_idx ON generation.attempts (ended_at);
 
 -- Whether a cost fits under a cap, given the spend counters: spend counts on `today` only, an
 -- estimate must fit (<= cap), and a task estimated at 0 needs the total strictly below the cap.
