@@ -406,8 +406,7 @@ def test_a_repeated_complete_does_not_count_twice(stub: Stub, sdb: Db) -> None:
     queue(stub, tool_id)
     claimed = claim(stub, tool_id)
     complete(stub, claimed, cost=40)
-    with pytest.raises(grpc.RpcError):
-        complete(stub, claimed, cost=40)
+    complete(stub, claimed, cost=40)  # a retry after a lost answer: the same success
     assert counters(sdb)["spent"] == 40
 
 

@@ -235,6 +235,9 @@ class GenerationDataServiceServicer:
     def CompleteTask(self, request, context):
         """Marks a held task completed with its output and the usage reported for settlement, and
         appends the terminal `completed` event to the task's event stream in the same statement.
+        The run's attempt is closed with its cost (kept even when the lease was lost). The same
+        lease completing again (a retry after a lost answer) gets the completed task back, once
+        more, with nothing changed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

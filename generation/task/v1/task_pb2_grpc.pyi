@@ -68,6 +68,9 @@ class GenerationDataServiceStub:
     CompleteTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.CompleteTaskRequest, _task_pb2.CompleteTaskResponse]
     """Marks a held task completed with its output and the usage reported for settlement, and
     appends the terminal `completed` event to the task's event stream in the same statement.
+    The run's attempt is closed with its cost (kept even when the lease was lost). The same
+    lease completing again (a retry after a lost answer) gets the completed task back, once
+    more, with nothing changed.
     """
     FailTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.FailTaskRequest, _task_pb2.FailTaskResponse]
     """Fails a task. With increment_retry it is requeued while retries remain and failed once they
@@ -185,6 +188,9 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     CompleteTask: _aio.UnaryUnaryMultiCallable[_task_pb2.CompleteTaskRequest, _task_pb2.CompleteTaskResponse]  # type: ignore[assignment]
     """Marks a held task completed with its output and the usage reported for settlement, and
     appends the terminal `completed` event to the task's event stream in the same statement.
+    The run's attempt is closed with its cost (kept even when the lease was lost). The same
+    lease completing again (a retry after a lost answer) gets the completed task back, once
+    more, with nothing changed.
     """
     FailTask: _aio.UnaryUnaryMultiCallable[_task_pb2.FailTaskRequest, _task_pb2.FailTaskResponse]  # type: ignore[assignment]
     """Fails a task. With increment_retry it is requeued while retries remain and failed once they
@@ -335,6 +341,9 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_task_pb2.CompleteTaskResponse, _abc.Awaitable[_task_pb2.CompleteTaskResponse]]:
         """Marks a held task completed with its output and the usage reported for settlement, and
         appends the terminal `completed` event to the task's event stream in the same statement.
+        The run's attempt is closed with its cost (kept even when the lease was lost). The same
+        lease completing again (a retry after a lost answer) gets the completed task back, once
+        more, with nothing changed.
         """
 
     @_abc_1.abstractmethod
