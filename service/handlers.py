@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeAlias
 
@@ -23,6 +24,7 @@ from service import messages
 from service.database import Database
 from service.errors import Internal, InvalidArgument, ServiceError, TaskNotFound, rpc_status_of
 from service.messages import Row
+from service.metrics import Metrics
 from service.rpcs import BINDINGS, SERVICE, STATEMENTS, WATCH, Binding, Params
 from service.settings import Settings
 from service.signals import TERMINAL_EVENTS, Signals
@@ -34,10 +36,17 @@ Context: TypeAlias = grpc.aio.ServicerContext  # untyped: grpc ships no stubs
 
 
 class Handlers:
-    def __init__(self, database: Database, signals: Signals, settings: Settings) -> None:
+    def __init__(
+        self,
+        database: Database,
+        signals: Signals,
+        settings: Settings,
+        metrics: Metrics | None = None,
+    ) -> None:
         self.database = database
         self.signals = signals
         self.settings = settings
+        self.metrics = metrics or Metrics()
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         """GenerationDataService, each method bound to the statement in its `sql` option.
@@ -68,6 +77,8 @@ class Handlers:
                 return await run(payload, context)
 
         async def run(payload: bytes, context: Context) -> bytes:
+            started = time.perf_counter()
+            code = grpc.StatusCode.CANCELLED  # unless it ends otherwise: the caller went away
             try:
                 request = parse(payload)
                 params = binding.bind(request, self.settings)
@@ -78,10 +89,15 @@ class Handlers:
                     rows = await self.database.fetch(sql, params)
                 if binding.after is not None:
                     binding.after(self.signals, rows)
-                return binding.respond(rows).SerializeToString()
+                response = binding.respond(rows).SerializeToString()
+                code = grpc.StatusCode.OK
+                return response
             except Exception as error:  # the one error boundary
+                code = _code_of(error)
                 await _abort(context, method, error)
                 raise AssertionError("unreachable: abort() raises") from error
+            finally:
+                self.metrics.observe_rpc(method.name, code.name, time.perf_counter() - started)
 
         return handle
 
@@ -112,12 +128,17 @@ class Handlers:
         parse = _parser(method)
 
         async def handle(payload: bytes, context: Context) -> AsyncIterator[bytes]:
+            code = grpc.StatusCode.CANCELLED
             try:
                 params = WATCH(parse(payload), self.settings)  # type: ignore[arg-type]
                 async for event in self._follow(sql, params):
                     yield task_pb2.WatchTaskEventsResponse(event=event).SerializeToString()
+                code = grpc.StatusCode.OK
             except Exception as error:  # the one error boundary
+                code = _code_of(error)
                 await _abort(context, method, error)
+            finally:
+                self.metrics.observe_rpc(method.name, code.name, None)
 
         return handle
 
@@ -167,6 +188,11 @@ def _parser(method: MethodDescriptor) -> Callable[[bytes], Message]:
             raise InvalidArgument("the request is not a valid protobuf message") from None
 
     return parse
+
+
+def _code_of(error: Exception) -> Any:
+    """The gRPC code `_abort` answers `error` with."""
+    return error.code if isinstance(error, ServiceError) else grpc.StatusCode.INTERNAL
 
 
 async def _abort(context: Context, method: MethodDescriptor, error: Exception) -> None:

@@ -10,6 +10,11 @@ with SKIP LOCKED and re-checks in its WHERE clause, so replicas running at once 
   are used up are left `processing` for the watchdog (ListStaleTasks).
 - Expiry, same interval: queued tasks past `expires_at` end `expired` without running. Suspended
   while the kill switch is off, so a pause keeps its backlog.
+- Purge, once at start and then at most once an hour (PURGE_INTERVAL_SECONDS): PurgeTasks' own
+  statement deletes finished tasks older than settings.retention_days (30; 0 keeps everything),
+  never one whose reservation is unsettled, in batches of PURGE_BATCH, at most PURGE_MAX_BATCHES
+  a run so one run stays short; what is left waits for the next run (or `genq purge`). A failed
+  run is tried again after PURGE_RETRY_SECONDS.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import asyncio
 import logging
 
 from service.database import Database
+from service.rpcs import STATEMENTS
 from service.settings import Settings
 from service.signals import Signals
 
@@ -59,6 +65,11 @@ SELECT to_jsonb(event) AS event FROM event
 """
 
 BATCH = 1000
+PURGE_SQL = STATEMENTS["PurgeTasks"]
+PURGE_BATCH = 1000
+PURGE_MAX_BATCHES = 10
+PURGE_INTERVAL_SECONDS = 3600.0
+PURGE_RETRY_SECONDS = 60.0
 
 
 async def rescue_lapsed_leases(database: Database, signals: Signals) -> int:
@@ -87,8 +98,25 @@ async def expire_tasks(database: Database, signals: Signals, settings: Settings)
             return total
 
 
+async def purge_finished(database: Database) -> tuple[int, int]:
+    """One purge run: batches until one comes back short, at most PURGE_MAX_BATCHES.
+
+    Returns (tasks purged, the retention in days that applied)."""
+    total, days = 0, 0
+    for _ in range(PURGE_MAX_BATCHES):
+        (row,) = await database.fetch(
+            PURGE_SQL, {"older_than_days": None, "batch_size": PURGE_BATCH}
+        )
+        total, days = total + row["purged"], row["retention_days"]
+        if row["purged"] < PURGE_BATCH:
+            break
+    return total, days
+
+
 async def run(database: Database, signals: Signals, settings: Settings) -> None:
     interval = settings.rescue_interval_seconds
+    loop = asyncio.get_running_loop()
+    purge_due = loop.time()  # once at start
     while True:
         try:
             if rescued := await rescue_lapsed_leases(database, signals):
@@ -97,4 +125,14 @@ async def run(database: Database, signals: Signals, settings: Settings) -> None:
                 log.info("expired %d tasks", expired)
         except Exception as error:
             log.warning("housekeeping failed (%s); retrying in %.1f s", error, interval)
+        if loop.time() >= purge_due:
+            try:
+                purged, days = await purge_finished(database)
+            except Exception as error:
+                purge_due = loop.time() + PURGE_RETRY_SECONDS
+                log.warning("purge failed (%s); retrying in %.0f s", error, PURGE_RETRY_SECONDS)
+            else:
+                purge_due = loop.time() + PURGE_INTERVAL_SECONDS
+                if purged:
+                    log.info("purged %d finished tasks older than %d days", purged, days)
         await asyncio.sleep(interval)

@@ -14,6 +14,8 @@ from grpc_reflection.v1alpha import reflection
 from service import housekeeping
 from service.database import Database
 from service.handlers import Handlers
+from service.http import StatusServer
+from service.metrics import Metrics
 from service.rpcs import SERVICE
 from service.settings import Settings
 from service.signals import Signals
@@ -58,15 +60,25 @@ async def serve(
         ]
     )
     signals = Signals(settings)
-    server.add_generic_rpc_handlers([Handlers(database, signals, settings).generic_handler()])
+    metrics = Metrics()
+    handlers = Handlers(database, signals, settings, metrics)
+    server.add_generic_rpc_handlers([handlers.generic_handler()])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         [SERVICE.full_name, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
     port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    # The status page and /metrics; a port in use fails the start, like the gRPC port.
+    status_server = StatusServer(database, settings, metrics)
+    try:
+        http_port = await status_server.start()
+    except OSError:
+        await database.close()
+        raise
     await server.start()
     log.info("GenerationDataService listening on %s:%d", settings.host, port)
+    log.info("status page and /metrics on http://%s:%d/", settings.host, http_port)
     if ready:
         ready(port)
 
@@ -82,6 +94,7 @@ async def serve(
     await stop.wait()
     log.info("stopping: finishing calls in flight (up to %.0f s)", settings.shutdown_grace_seconds)
     await health_servicer.enter_graceful_shutdown()
+    await status_server.close()
     await server.stop(settings.shutdown_grace_seconds)
     for job in background:
         job.cancel()

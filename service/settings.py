@@ -27,6 +27,9 @@ class Settings:
     port: int = 50051
     """GENQ_PORT (50051): gRPC port; 0 picks a free one (printed at start)."""
 
+    http_port: int = 8080
+    """GENQ_HTTP_PORT (8080): the status page and /metrics; 0 picks a free one"""
+
     pool_min_size: int = 2
     """GENQ_POOL_MIN_SIZE (2): connections kept open."""
 

@@ -129,6 +129,7 @@ class ServiceProcess:
         environment = {
             **os.environ,
             "GENQ_PORT": str(self.port),
+            "GENQ_HTTP_PORT": "0",  # many services at once: the status page takes a free port
             "GENQ_HOST": "127.0.0.1",
             "GENQ_RESCUE_INTERVAL_SECONDS": "0.2",
             **env,

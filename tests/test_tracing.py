@@ -38,7 +38,7 @@ def exporter() -> InMemorySpanExporter:
 @pytest.fixture
 def in_process_service(database_url: str) -> Iterator[str]:
     port = free_port()
-    settings = Settings(host="127.0.0.1", port=port, rescue_interval_seconds=0.2)
+    settings = Settings(host="127.0.0.1", port=port, http_port=0, rescue_interval_seconds=0.2)
     started = threading.Event()
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()

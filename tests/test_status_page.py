@@ -1,0 +1,358 @@
+"""The status page (GUIDE B9) as a person sees it: the real service, real headless Chromium.
+
+The state is set up first through gRPC (and SQL only for what no RPC makes at once: a cooling key,
+a held group, tasks old enough to be stale); then Chromium renders the page, its DOM is read back
+and a screenshot is kept in artifacts/status-page.png. Chromium must be installed (.ci/run does).
+"""
+
+from __future__ import annotations
+
+import copy
+import http.client
+import json
+import shutil
+import socket
+import subprocess
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+from zoneinfo import ZoneInfo
+
+import psycopg
+import pytest
+from google.protobuf import json_format
+
+from generation.task.v1 import task_pb2
+from tests.conftest import ROOT, Databases, ServiceProcess, free_port, url_for
+
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+NANOS = 1_000_000_000
+PAUSED_TOOL = "render-cats"
+SILENT_TOOL = "write-poems"
+COOLING_KEY = "acme/<b>bold</b>-model"  # markup in a name must show as text
+HELD_GROUP = "acme-account"
+ZONE = "Europe/Berlin"  # the page shows times on the settings' clock
+MOVED = {"completed": 30, "failed": 45}  # one run of each ended this many minutes ago
+
+
+@dataclass
+class Page:
+    service: ServiceProcess
+    base: str
+    database_url: str
+
+
+def chromium() -> str:
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        pytest.fail(
+            "chromium is not installed: .ci/run installs it "
+            "(apt-get install -y chromium, Debian's package); the status page tests need it",
+            pytrace=False,
+        )
+    return path
+
+
+def browse(tmp_path: Path, *arguments: str) -> str:
+    profile = tmp_path / f"chromium-{uuid.uuid4().hex[:8]}"
+    result = subprocess.run(
+        [chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *arguments],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def page(databases: Databases, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Page]:
+    """A service of its own (the kill switch goes off here), in the state the page must show."""
+    database_url = url_for(databases.create("status_page"))
+    http_port = free_port()
+    service = ServiceProcess(
+        database_url,
+        tmp_path_factory.mktemp("status_page") / "serve.log",
+        GENQ_HTTP_PORT=str(http_port),
+    )
+    try:
+        set_up(service, database_url)
+        yield Page(service, f"http://127.0.0.1:{http_port}", database_url)
+    finally:
+        service.stop()
+
+
+def set_up(service: ServiceProcess, database_url: str) -> None:
+    stub = service.stub
+    stub.UpdateSettings(
+        task_pb2.UpdateSettingsRequest(currency="EUR", daily_cap_nanos=5 * NANOS, timezone=ZONE)
+    )
+    cats = stub.UpsertTool(task_pb2.UpsertToolRequest(name=PAUSED_TOOL)).tool.id
+    stub.ConfigureTool(task_pb2.ConfigureToolRequest(tool_id=cats, cost_estimate_nanos=NANOS // 10))
+    for _ in range(7):
+        stub.QueueTask(task_pb2.QueueTaskRequest(tool_id=cats))
+    # Five runs end (3 completed at 0.25 EUR, 2 failed at 0.05 EUR): the chart has bars and
+    # today's spend is 0.85 EUR. A sixth runs on, reserving its 0.10 EUR estimate.
+    for index in range(6):
+        claim = stub.ClaimNextTask(task_pb2.ClaimNextTaskRequest(tool_id=cats))
+        assert claim.task.id, claim
+        if index < 3:
+            stub.CompleteTask(
+                task_pb2.CompleteTaskRequest(
+                    task_id=claim.task.id,
+                    lease_token=claim.lease_token,
+                    reported_usage=task_pb2.ReportedUsage(cost_nanos=NANOS // 4),
+                )
+            )
+        elif index < 5:
+            stub.FailTask(
+                task_pb2.FailTaskRequest(
+                    task_id=claim.task.id,
+                    lease_token=claim.lease_token,
+                    error="provider said no",
+                    failure=task_pb2.FAILURE_KIND_PERMANENT,
+                    reported_usage=task_pb2.ReportedUsage(cost_nanos=NANOS // 20),
+                )
+            )
+    stub.ConfigureTool(task_pb2.ConfigureToolRequest(tool_id=cats, paused=True))
+
+    poems = stub.UpsertTool(task_pb2.UpsertToolRequest(name=SILENT_TOOL)).tool.id
+    for _ in range(2):
+        stub.QueueTask(task_pb2.QueueTaskRequest(tool_id=poems))
+    stub.UpdateSettings(task_pb2.UpdateSettingsRequest(enabled=False))
+
+    with psycopg.connect(database_url, autocommit=True) as db:
+        for outcome, minutes in MOVED.items():
+            db.execute(
+                "UPDATE generation.attempts SET ended_at = ended_at - make_interval(mins => %s) "
+                "WHERE (task_id, attempt) IN ("
+                "  SELECT task_id, attempt FROM generation.attempts WHERE outcome = %s LIMIT 1)",
+                [minutes, outcome],
+            )
+        # Never claimed for 20 minutes: stale (past 900 s), and no worker seen (600 s).
+        db.execute(
+            "UPDATE generation.tasks SET created_at = now() - interval '20 minutes' "
+            "WHERE tool_id = %s",
+            [poems],
+        )
+        db.execute(
+            "INSERT INTO generation.cooldowns (resource_key, consecutive_failures, cooling_until) "
+            "VALUES (%s, 2, now() + interval '10 minutes')",
+            [COOLING_KEY],
+        )
+        db.execute(
+            "INSERT INTO generation.holds (account_group, held_until, reason) "
+            "VALUES (%s, now() + interval '1 hour', 'out of credit')",
+            [HELD_GROUP],
+        )
+
+
+class Dom(HTMLParser):
+    """The text of each element with an id (what a person reads there), and the tags seen."""
+
+    def __init__(self, markup: str) -> None:
+        super().__init__(convert_charrefs=True)
+        self.text: dict[str, str] = {}
+        self.tags: list[tuple[str, dict[str, str]]] = []
+        self._open: list[tuple[str, str | None]] = []
+        self.feed(markup)
+
+    VOID = frozenset({"meta", "link", "br", "img", "input", "hr", "line", "rect", "path"})
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        attributes = {name: value or "" for name, value in attrs}
+        self.tags.append((tag, attributes))
+        self.handle_data(" ")  # cells and blocks read as separate words
+        if tag in self.VOID:
+            return
+        self._open.append((tag, attributes.get("id")))
+        if attributes.get("id"):
+            self.text[attributes["id"]] = ""
+
+    def handle_startendtag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.append((tag, {name: value or "" for name, value in attrs}))
+
+    def handle_endtag(self, tag: str) -> None:
+        self.handle_data(" ")
+        if tag in self.VOID:
+            return
+        while self._open:
+            opened, _ = self._open.pop()
+            if opened == tag:
+                break
+
+    def handle_data(self, data: str) -> None:
+        for _, element in self._open:
+            if element:
+                self.text[element] += data
+
+    def section(self, element: str) -> str:
+        assert element in self.text, f"no element #{element} on the page"
+        return " ".join(self.text[element].split())
+
+    def count(self, tag: str, css_class: str) -> int:
+        return sum(
+            1 for name, attrs in self.tags if name == tag and css_class in attrs.get("class", "")
+        )
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: http.client.HTTPMessage
+    body: bytes
+
+    def getheader(self, name: str) -> str:
+        value = self.headers[name]
+        assert value is not None, f"no {name} header"
+        return value
+
+
+def request(page: Page, method: str, path: str, body: bytes | None = None) -> Reply:
+    connection = http.client.HTTPConnection("127.0.0.1", int(page.base.rsplit(":", 1)[1]), 10)
+    try:
+        connection.request(method, path, body=body)
+        response = connection.getresponse()
+        return Reply(response.status, response.headers, response.read())
+    finally:
+        connection.close()
+
+
+def status_now(page: Page) -> dict[str, Any]:
+    """GetStatus over gRPC as a dict, without the ages that move with the clock."""
+    answer = page.service.stub.GetStatus(task_pb2.GetStatusRequest())
+    return without_ages(json_format.MessageToDict(answer, preserving_proto_field_name=True))
+
+
+def without_ages(document: dict[str, Any]) -> dict[str, Any]:
+    document = copy.deepcopy(document)
+    for depth in document["status"].get("depths", []):
+        depth.pop("oldest_age", None)
+    return document
+
+
+def test_the_page_shows_the_state_in_a_browser(page: Page, tmp_path: Path) -> None:
+    dom_text = browse(tmp_path, "--dump-dom", f"{page.base}/")
+    dom = Dom(dom_text)
+
+    assert ("meta", {"http-equiv": "refresh", "content": "10"}) in dom.tags
+    assert f"({ZONE})" in dom.section("header")
+    assert "disabled" in dom.section("switch")
+    warnings = dom.section("warnings")
+    assert "Disabled: the kill switch is off" in warnings
+    assert f"No worker: tool {SILENT_TOOL} has 2 queued" in warnings
+    assert "Stale: 2 live task(s)" in warnings
+    assert "Capped" not in warnings  # 0.95 EUR of 5.00 EUR
+
+    assert "5.00 EUR" in dom.section("cap")
+    assert "0.85 EUR" in dom.section("spend")
+    assert "19.0% of the cap" in dom.section("spend")  # (0.85 + 0.10) / 5.00
+    assert "0.10 EUR" in dom.section("reserved")
+    assert "Stale tasks 2 cannot finish on their own" in dom.section("stale")
+
+    assert PAUSED_TOOL in dom.section("paused")
+    assert SILENT_TOOL not in dom.section("paused")
+    cooling = dom.section("cooling")
+    assert COOLING_KEY in cooling and "2 failures in a row" in cooling
+    assert "<b>" not in dom_text.split('id="cooling"')[1].split("</section>")[0]
+    assert HELD_GROUP in dom.section("holds") and "out of credit" in dom.section("holds")
+
+    tools = dom.section("tools")
+    assert f"{PAUSED_TOOL} paused 1 " in tools
+    assert f"{SILENT_TOOL} no worker seen 2 never" in tools
+    depths = dom.section("depths")
+    assert f"{PAUSED_TOOL} processing 1" in depths
+    assert f"{PAUSED_TOOL} queued 1" in depths
+    assert f"{SILENT_TOOL} queued 2 20 min" in depths
+
+    chart = dom.section("chart")
+    assert "completed (3)" in chart and "failed, retried or lost (2)" in chart
+    assert any(tag == "svg" and attrs.get("role") == "img" for tag, attrs in dom.tags)
+    # One run of each kind moved back in time has a bar of its own, labelled with its minute.
+    assert 2 <= dom.count("rect", "completed") <= 3
+    assert dom.count("rect", "failed") == 2
+    for outcome, minute in ended_minutes(page).items():
+        label = f"{minute.astimezone(ZoneInfo(ZONE)):%H:%M}"
+        done, failed = (1, 0) if outcome == "completed" else (0, 1)
+        assert f"<title>{label}: {done} completed, {failed} failed</title>" in dom_text
+
+
+def ended_minutes(page: Page) -> dict[str, datetime]:
+    """The minute each moved run ended in, by outcome."""
+    with psycopg.connect(page.database_url) as db:
+        rows = db.execute(
+            "SELECT outcome::text, date_trunc('minute', ended_at) FROM generation.attempts "
+            "WHERE ended_at < now() - interval '20 minutes'"
+        ).fetchall()
+    assert len(rows) == len(MOVED)
+    return dict(rows)
+
+
+def test_screenshot(page: Page, tmp_path: Path) -> None:
+    shot = tmp_path / "status-page.png"
+    browse(tmp_path, f"--screenshot={shot}", "--window-size=1280,1400", f"{page.base}/")
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    artifacts = ROOT / "artifacts"
+    artifacts.mkdir(exist_ok=True)
+    shutil.copyfile(shot, artifacts / "status-page.png")
+
+
+def test_status_json_is_the_get_status_answer(page: Page) -> None:
+    response = request(page, "GET", "/status.json")
+    assert response.status == 200
+    assert response.getheader("Content-Type") == "application/json"
+    document = json.loads(response.body)
+    assert without_ages(document) == status_now(page)
+    settings = document["status"]["settings"]
+    assert settings["currency"] == "EUR" and "enabled" not in settings  # false is left out
+    assert {depth["tool_name"] for depth in document["status"]["depths"]} == {
+        PAUSED_TOOL,
+        SILENT_TOOL,
+    }
+    assert all(depth["oldest_age"].endswith("s") for depth in document["status"]["depths"])
+
+
+@pytest.mark.parametrize("method", ["POST", "PUT", "PATCH", "DELETE"])
+@pytest.mark.parametrize("path", ["/", "/status.json", "/metrics"])
+def test_writes_are_refused_and_change_nothing(page: Page, method: str, path: str) -> None:
+    before = status_now(page)
+    response = request(page, method, path, body=b'{"enabled": true}')
+    assert response.status == 405
+    assert response.getheader("Allow") == "GET, HEAD"
+    assert status_now(page) == before
+
+
+def test_head_health_and_unknown_paths(page: Page) -> None:
+    get, head = request(page, "GET", "/"), request(page, "HEAD", "/")
+    assert get.status == head.status == 200
+    assert get.getheader("Content-Type") == "text/html; charset=utf-8"
+    assert "script-src" not in get.getheader("Content-Security-Policy")  # default-src 'none'
+    assert head.body == b"" and int(head.getheader("Content-Length")) > 0
+
+    health = request(page, "GET", "/healthz")
+    assert (health.status, health.body) == (200, b"SERVING\n")
+    assert request(page, "GET", "/nope").status == 404
+    assert request(page, "GET", "/status.json?pretty=1").status == 200
+
+
+def test_a_busy_http_port_stops_the_start(page: Page, tmp_path: Path) -> None:
+    """Like the gRPC port: a port in use is a configuration error, said at once."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(AssertionError, match=r"GENQ_HTTP_PORT: cannot listen on 127\.0\.0\.1:"):
+            ServiceProcess(page.database_url, tmp_path / "serve.log", GENQ_HTTP_PORT=str(port))
