@@ -41,7 +41,7 @@ rescued AS (
   FROM lapsed WHERE t.id = lapsed.id
   RETURNING t.id, t.tool_id, lapsed.lease_token AS prior_lease_token),
 closed AS (
-  SELECT generation.close_attempt(prior_lease_token, 'abandoned', 0, false) FROM rescued)
+  SELECT generation.close_attempt(id, prior_lease_token, 'abandoned', 0, false) FROM rescued)
 SELECT id, tool_id, (SELECT count(*) FROM closed) AS closed FROM rescued
 """
 

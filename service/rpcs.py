@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC
+from math import ceil
 from typing import Any
 
 from google.protobuf import json_format
@@ -33,6 +33,7 @@ from service.settings import Settings
 from service.signals import Signals
 
 DEFAULT_TTL_SECONDS = 7 * 86_400
+MAX_TTL_SECONDS = 10 * 365 * 86_400
 MAX_BATCH = 1_000
 MAX_NAME = 200
 DEFAULT_PROCESSING_GRACE_SECONDS = 120
@@ -95,7 +96,7 @@ def _stale_thresholds(request: Any) -> Params:
 
 
 def bind_upsert_tool(request: task_pb2.UpsertToolRequest, settings: Settings) -> Params:
-    return {"name": validation.text("name", request.name, max_length=200, required=True)}
+    return {"name": validation.text("name", request.name, max_length=MAX_NAME, required=True)}
 
 
 def bind_queue_task(request: task_pb2.QueueTaskRequest, settings: Settings) -> Params:
@@ -108,12 +109,10 @@ def bind_queue_task(request: task_pb2.QueueTaskRequest, settings: Settings) -> P
 
 def _task_fields(request: task_pb2.QueueTaskRequest, settings: Settings) -> Params:
     """The columns of a new task, checked; NULL means the tool's default."""
-    ttl_seconds: float | None = DEFAULT_TTL_SECONDS
+    ttl_seconds: int | None = DEFAULT_TTL_SECONDS
     if request.HasField("ttl"):
-        ttl_seconds = request.ttl.ToTimedelta().total_seconds()
-        if ttl_seconds < 0:
-            raise InvalidArgument("ttl must not be negative", field="ttl")
-        ttl_seconds = ttl_seconds or None  # 0: never expires
+        # Whole seconds, rounded up (1 ns lives 1 s); 0 never expires.
+        ttl_seconds = ceil(validation.seconds("ttl", request.ttl, most=MAX_TTL_SECONDS)) or None
     return {
         "input": validation.struct("input", request.input, max_bytes=settings.max_input_bytes),
         "priority": validation.in_range("priority", request.priority, -100, 100),
@@ -130,7 +129,7 @@ def _task_fields(request: task_pb2.QueueTaskRequest, settings: Settings) -> Para
         "idempotency_key": validation.text(
             "idempotency_key", request.idempotency_key, max_length=512
         ),
-        "run_at": request.run_after.ToDatetime(tzinfo=UTC)
+        "run_at": validation.timestamp("run_after", request.run_after)
         if request.HasField("run_after")
         else None,
         "ttl_seconds": ttl_seconds,
@@ -185,12 +184,7 @@ def respond_queue_task(rows: list[Row]) -> task_pb2.QueueTaskResponse:
 
 
 def bind_claim_next_task(request: task_pb2.ClaimNextTaskRequest, settings: Settings) -> Params:
-    if request.wait.seconds < 0 or request.wait.nanos < 0:
-        raise InvalidArgument("wait must not be negative", field="wait")
-    if request.wait.ToTimedelta().total_seconds() > settings.max_claim_wait_seconds:
-        raise InvalidArgument(
-            f"wait must be at most {settings.max_claim_wait_seconds:g} s", field="wait"
-        )
+    validation.seconds("wait", request.wait, most=settings.max_claim_wait_seconds)
     return {
         "tool_id": validation.required_uuid("tool_id", request.tool_id),
         **_overrides(settings),
@@ -206,7 +200,7 @@ def _overrides(settings: Settings) -> Params:
 def park_claim(
     request: task_pb2.ClaimNextTaskRequest, params: Params, settings: Settings
 ) -> tuple[str, float]:
-    return str(params["tool_id"]), request.wait.ToTimedelta().total_seconds()
+    return str(params["tool_id"]), request.wait.seconds + request.wait.nanos / 1e9
 
 
 def bind_heartbeat_task(request: task_pb2.HeartbeatTaskRequest, settings: Settings) -> Params:
@@ -223,13 +217,13 @@ def bind_complete_task(request: task_pb2.CompleteTaskRequest, settings: Settings
         "task_id": validation.required_uuid("task_id", request.task_id),
         "lease_token": validation.required_uuid("lease_token", request.lease_token),
         "output": validation.struct("output", request.output, max_bytes=settings.max_input_bytes),
-        "cost_nanos": validation.amount("reported_usage.cost_nanos", usage.cost_nanos),
+        "cost_nanos": validation.cost("reported_usage.cost_nanos", usage.cost_nanos),
         "reported_usage": Jsonb(
             {
                 "token_amount": validation.amount(
                     "reported_usage.token_amount", usage.token_amount
                 ),
-                "cost_nanos": validation.amount("reported_usage.cost_nanos", usage.cost_nanos),
+                "cost_nanos": validation.cost("reported_usage.cost_nanos", usage.cost_nanos),
                 "details": validation.struct(
                     "reported_usage.details", usage.details, max_bytes=settings.max_input_bytes
                 ).obj,
@@ -242,7 +236,7 @@ def bind_release_task(request: task_pb2.ReleaseTaskRequest, settings: Settings) 
     return {
         "task_id": validation.required_uuid("task_id", request.task_id),
         "lease_token": validation.required_uuid("lease_token", request.lease_token),
-        "cost_nanos": validation.amount("cost_nanos", request.cost_nanos),
+        "cost_nanos": validation.cost("cost_nanos", request.cost_nanos),
     }
 
 
@@ -269,7 +263,7 @@ def bind_fail_task(request: task_pb2.FailTaskRequest, settings: Settings) -> Par
         "lease_token": lease_token,
         "error": validation.text("error", request.error, max_length=MAX_TEXT),
         "failure": failure,
-        "cost_nanos": validation.amount(
+        "cost_nanos": validation.cost(
             "reported_usage.cost_nanos", request.reported_usage.cost_nanos
         ),
         **_stale_thresholds(request),
@@ -397,7 +391,9 @@ def bind_list_tasks(request: task_pb2.ListTasksRequest, settings: Settings) -> P
         "status": task_pb2.TaskStatus.Name(request.status).removeprefix("TASK_STATUS_").lower()
         if request.status
         else None,
-        "before": request.before.ToDatetime(tzinfo=UTC) if request.HasField("before") else None,
+        "before": validation.timestamp("before", request.before)
+        if request.HasField("before")
+        else None,
         "limit": validation.in_range("limit", request.limit, 0, 1_000) or 50,
     }
 
@@ -521,10 +517,6 @@ def respond_get_task(rows: list[Row]) -> task_pb2.GetTaskResponse:
     if not rows:
         raise TaskNotFound("task not found")
     return task_pb2.GetTaskResponse(task=messages.task(rows[0]))
-
-
-def claimed(rows: list[Row]) -> bool:
-    return rows[0]["id"] is not None
 
 
 def respond_claim(rows: list[Row]) -> task_pb2.ClaimNextTaskResponse:

@@ -20,7 +20,7 @@ from service.wake import Wake
 
 log = logging.getLogger(__name__)
 
-TERMINAL_EVENTS = {"completed", "failed"}
+TERMINAL_EVENTS = {"completed", "failed", "cancelled", "expired"}
 STREAM_MAXLEN = 10_000
 STREAM_TTL_SECONDS = 7 * 86_400
 

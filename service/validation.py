@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import re
 import uuid
+from datetime import UTC, datetime
 from typing import Any
 
-from google.protobuf import json_format, struct_pb2
+from google.protobuf import duration_pb2, json_format, struct_pb2, timestamp_pb2
 from psycopg.types.json import Jsonb
 
 from service.errors import InvalidArgument
@@ -90,3 +91,32 @@ def _has_nul(value: Any) -> bool:
     if isinstance(value, list):
         return any(_has_nul(v) for v in value)
     return False
+
+
+MAX_COST_NANOS = 10**15
+"""A million currency units for one run: more is a bug, and would overflow the day's counters."""
+
+_TIMESTAMP_RANGE = (0, 253_402_300_799)  # 1970-01-01 .. 9999-12-31
+
+
+def cost(field: str, value: int) -> int:
+    """What one run cost, in nanos."""
+    return in_range(field, value, 0, MAX_COST_NANOS)
+
+
+def seconds(field: str, value: duration_pb2.Duration, *, most: float) -> float:
+    """A Duration as seconds, between 0 and `most`."""
+    if value.seconds < 0 or value.nanos < 0:
+        raise InvalidArgument(f"{field} must not be negative", field=field)
+    total = value.seconds + value.nanos / 1e9
+    if total > most:
+        raise InvalidArgument(f"{field} must be at most {most:g} s", field=field)
+    return total
+
+
+def timestamp(field: str, value: timestamp_pb2.Timestamp) -> datetime:
+    """A Timestamp as an aware datetime, within years 1970 to 9999."""
+    low, high = _TIMESTAMP_RANGE
+    if not low <= value.seconds <= high or not 0 <= value.nanos < 10**9:
+        raise InvalidArgument(f"{field} is out of range", field=field)
+    return value.ToDatetime(tzinfo=UTC)

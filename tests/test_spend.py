@@ -561,3 +561,88 @@ def test_genq_cap_sets_the_cap_in_nanos(spend_service: ServiceProcess, stub: Stu
     for bad in ("-1", "abc", "0.0000000001"):
         refused = genq("cap", bad, "--target", spend_service.address)
         assert refused.returncode == 2, bad
+
+
+def test_a_report_with_another_tasks_token_leaves_that_task_alone(stub: Stub, sdb: Db) -> None:
+    set_cap(stub, UNIT)
+    tool_id = new_tool(stub, cost_estimate_nanos=100)
+    queue(stub, tool_id)
+    queue(stub, tool_id)
+    x, y = claim(stub, tool_id), claim(stub, tool_id)
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.CompleteTask(
+            task_pb2.CompleteTaskRequest(
+                task_id=x.task.id,
+                lease_token=y.lease_token,
+                reported_usage=task_pb2.ReportedUsage(cost_nanos=7),
+            )
+        )
+    assert from_rpc_error(caught.value).reason == Reason.LEASE_LOST
+    outcome = sdb.execute(
+        "SELECT outcome::text, cost_nanos FROM generation.attempts WHERE lease_token = %s",
+        [y.lease_token],
+    ).fetchone()
+    assert outcome == {"outcome": "running", "cost_nanos": 0}
+    assert counters(sdb) == {"spent": 0, "reserved": 200}
+
+
+def test_watching_a_cancelled_task_ends(stub: Stub, sdb: Db) -> None:
+    tool_id = new_tool(stub)
+    task = queue(stub, tool_id)
+    stub.CancelTask(task_pb2.CancelTaskRequest(task_id=task.id))
+    request = task_pb2.WatchTaskEventsRequest(task_id=task.id)
+    kinds = [answer.event.kind for answer in stub.WatchTaskEvents(request, timeout=10)]
+    assert kinds == [task_pb2.TASK_EVENT_KIND_CANCELLED]
+
+
+def test_requeue_keeps_an_unsettled_reservation_and_claims_as_fresh(stub: Stub, sdb: Db) -> None:
+    set_cap(stub, UNIT)
+    tool_id = new_tool(stub)
+    first = queue(stub, tool_id, idempotency_key="k", reserved_token_amount=50)
+    stub.CancelTask(task_pb2.CancelTaskRequest(task_id=first.id))
+    sdb.execute("UPDATE generation.tasks SET reclaimed = true WHERE id = %s", [first.id])
+    again = queue(
+        stub,
+        tool_id,
+        idempotency_key="k",
+        reserved_token_amount=80,
+        on_conflict=task_pb2.ON_CONFLICT_REQUEUE,
+    )
+    stored = task_row(sdb, again.id)
+    assert (stored["status"], stored["reclaimed"]) == ("queued", False)
+    assert (stored["reserved_token_amount"], stored["settlement_round"]) == (50, 1)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"run_after": timestamp_pb2.Timestamp(seconds=10**12)},
+        {"ttl": duration_pb2.Duration(seconds=10**15)},
+    ],
+    ids=["run_after", "ttl"],
+)
+def test_times_out_of_range_are_invalid(stub: Stub, sdb: Db, fields: dict[str, Any]) -> None:
+    tool_id = new_tool(stub)
+    with pytest.raises(grpc.RpcError) as caught:
+        queue(stub, tool_id, **fields)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_cost_beyond_reason_is_invalid(stub: Stub, sdb: Db) -> None:
+    set_cap(stub, UNIT)
+    tool_id = new_tool(stub)
+    queue(stub, tool_id)
+    claimed = claim(stub, tool_id)
+    with pytest.raises(grpc.RpcError) as caught:
+        complete(stub, claimed, cost=2**62)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_queue_tasks_with_a_ttl(stub: Stub, sdb: Db) -> None:
+    tool_id = new_tool(stub)
+    items = [task_pb2.QueueTaskRequest(ttl=duration_pb2.Duration(seconds=3600))]
+    created = stub.QueueTasks(task_pb2.QueueTasksRequest(tool_id=tool_id, tasks=items)).tasks
+    lifetime = sdb.execute(
+        "SELECT expires_at - run_at AS ttl FROM generation.tasks WHERE id = %s", [created[0].id]
+    ).fetchone()
+    assert lifetime is not None and lifetime["ttl"].total_seconds() == 3600

@@ -556,6 +556,7 @@ class WorkerFleet:
         ctx = run.ctx
         if ctx.is_lease_lost:
             log.warning("task %s: lease lost while running; result dropped", ctx.task.id)
+            await self._report_cost(run)
             return
         error = asyncio.CancelledError() if handler.cancelled() else handler.exception()
         if error is None:
@@ -609,7 +610,8 @@ class WorkerFleet:
         rescuer requeues the task (the reclaim then uses an attempt)."""
         ctx = run.ctx
         if ctx.is_lease_lost:
-            return  # another worker holds it already
+            await self._report_cost(run)  # another worker holds it already
+            return
         log.warning("task %s: unfinished at the drain deadline; releasing it", ctx.task.id)
         request = task_pb2.ReleaseTaskRequest(
             task_id=ctx.task.id,
@@ -617,6 +619,17 @@ class WorkerFleet:
             cost_nanos=ctx.reported_usage().cost_nanos,
         )
         await self._report(run, "release", request)
+
+    async def _report_cost(self, run: _Run) -> None:
+        """Billed is billed: a run whose lease was lost still tells the service what it cost.
+        The ReleaseTask is refused (LEASE_LOST) but the cost lands on the run's attempt."""
+        ctx = run.ctx
+        cost = ctx.reported_usage().cost_nanos
+        if cost > 0:
+            request = task_pb2.ReleaseTaskRequest(
+                task_id=ctx.task.id, lease_token=ctx.lease_token, cost_nanos=cost
+            )
+            await self._report(run, "report cost", request)
 
     async def _report(self, run: _Run, what: str, request: Message) -> GenqError | None:
         """Sends the write that ends this worker's hold on the task (CompleteTask, FailTask or

@@ -29,7 +29,14 @@ from opentelemetry import trace
 from generation.task.v1 import task_pb2
 from workers_sdk.client import GenqClient, current_traceparent
 
-TERMINAL_EVENTS = frozenset({task_pb2.TASK_EVENT_KIND_COMPLETED, task_pb2.TASK_EVENT_KIND_FAILED})
+TERMINAL_EVENTS = frozenset(
+    {
+        task_pb2.TASK_EVENT_KIND_COMPLETED,
+        task_pb2.TASK_EVENT_KIND_FAILED,
+        task_pb2.TASK_EVENT_KIND_CANCELLED,
+        task_pb2.TASK_EVENT_KIND_EXPIRED,
+    }
+)
 
 
 class GatewayClient:
@@ -105,8 +112,8 @@ class GatewayClient:
         self, task_id: str, after_sequence: int = 0, *, timeout: float | None = None
     ) -> AsyncIterator[task_pb2.TaskEvent]:
         """Yields the task's events after `after_sequence` (0: all of them), then the live ones,
-        and ends after the terminal event (COMPLETED or FAILED). A REQUEUED event is not the end:
-        the task runs again.
+        and ends after the terminal event (COMPLETED, FAILED, CANCELLED or EXPIRED). A REQUEUED
+        event is not the end: the task runs again.
 
         `timeout` bounds the whole watch (None: until the terminal event). If the stream breaks
         (GenqError, e.g. UNAVAILABLE), call again with the last `sequence` seen to resume

@@ -194,7 +194,9 @@ class GenerationDataServiceServicer:
     def QueueTask(self, request, context):
         """Enqueues one task: a single INSERT. An unknown tool_id is NOT_FOUND. With an
         idempotency_key already used for the tool: the same input answers with the existing task
-        (on_conflict RETURN) or runs a finished one again (REQUEUE); a different input is
+        (on_conflict RETURN) or runs a finished one again (REQUEUE: fresh retries; a reservation
+        already settled is replaced by this request's and settles in a new round, one not yet
+        settled is kept and settles once, as in RetryTask); a different input is
         ALREADY_EXISTS. The conflict path writes a no-op update because that returns the row even
         when a concurrent duplicate committed after this statement's snapshot.
         """

@@ -43,7 +43,9 @@ class GenerationDataServiceStub:
     QueueTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.QueueTaskRequest, _task_pb2.QueueTaskResponse]
     """Enqueues one task: a single INSERT. An unknown tool_id is NOT_FOUND. With an
     idempotency_key already used for the tool: the same input answers with the existing task
-    (on_conflict RETURN) or runs a finished one again (REQUEUE); a different input is
+    (on_conflict RETURN) or runs a finished one again (REQUEUE: fresh retries; a reservation
+    already settled is replaced by this request's and settles in a new round, one not yet
+    settled is kept and settles once, as in RetryTask); a different input is
     ALREADY_EXISTS. The conflict path writes a no-op update because that returns the row even
     when a concurrent duplicate committed after this statement's snapshot.
     """
@@ -163,7 +165,9 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     QueueTask: _aio.UnaryUnaryMultiCallable[_task_pb2.QueueTaskRequest, _task_pb2.QueueTaskResponse]  # type: ignore[assignment]
     """Enqueues one task: a single INSERT. An unknown tool_id is NOT_FOUND. With an
     idempotency_key already used for the tool: the same input answers with the existing task
-    (on_conflict RETURN) or runs a finished one again (REQUEUE); a different input is
+    (on_conflict RETURN) or runs a finished one again (REQUEUE: fresh retries; a reservation
+    already settled is replaced by this request's and settles in a new round, one not yet
+    settled is kept and settles once, as in RetryTask); a different input is
     ALREADY_EXISTS. The conflict path writes a no-op update because that returns the row even
     when a concurrent duplicate committed after this statement's snapshot.
     """
@@ -292,7 +296,9 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_task_pb2.QueueTaskResponse, _abc.Awaitable[_task_pb2.QueueTaskResponse]]:
         """Enqueues one task: a single INSERT. An unknown tool_id is NOT_FOUND. With an
         idempotency_key already used for the tool: the same input answers with the existing task
-        (on_conflict RETURN) or runs a finished one again (REQUEUE); a different input is
+        (on_conflict RETURN) or runs a finished one again (REQUEUE: fresh retries; a reservation
+        already settled is replaced by this request's and settles in a new round, one not yet
+        settled is kept and settles once, as in RetryTask); a different input is
         ALREADY_EXISTS. The conflict path writes a no-op update because that returns the row even
         when a concurrent duplicate committed after this statement's snapshot.
         """

@@ -258,9 +258,11 @@ $$;
 -- the cost is added to the spend of the day the attempt started (also for a late report under a
 -- lost lease: billed is billed), and the resource key's cooldown and the account group's hold
 -- are kept. A second close of the same attempt changes nothing, so a retried call cannot count
--- twice. Lock order, as in the claim: the task (held by the caller), settings, then the tool.
+-- twice. Lock order, everywhere: the task (held by the caller), settings, the attempt, the tool.
+-- Settings come before the attempt so that a sweep closing many attempts (holding settings) and
+-- a late report of one of them (wanting settings) cannot deadlock.
 CREATE FUNCTION generation.close_attempt(
-    token uuid, closing generation.attempt_outcome, cost bigint, retryable boolean
+    task uuid, token uuid, closing generation.attempt_outcome, cost bigint, retryable boolean
 ) RETURNS generation.attempts
 LANGUAGE plpgsql
 AS $$
@@ -270,8 +272,18 @@ DECLARE
     released bigint;
     today date;
 BEGIN
-    SELECT * INTO a FROM generation.attempts WHERE lease_token = token FOR UPDATE;
+    SELECT * INTO a FROM generation.attempts WHERE task_id = task AND lease_token = token;
     IF NOT FOUND OR a.outcome NOT IN ('running', 'abandoned') THEN
+        RETURN a;
+    END IF;
+    IF a.estimate_nanos > 0 OR cost > 0 THEN
+        SELECT * INTO s FROM generation.settings FOR UPDATE;
+    ELSE
+        SELECT * INTO s FROM generation.settings;
+    END IF;
+    SELECT * INTO a FROM generation.attempts
+    WHERE task_id = task AND lease_token = token FOR UPDATE;
+    IF a.outcome NOT IN ('running', 'abandoned') THEN
         RETURN a;
     END IF;
     released := CASE WHEN a.outcome = 'running' THEN a.estimate_nanos ELSE 0 END;
@@ -279,14 +291,9 @@ BEGIN
     SET outcome = CASE WHEN a.outcome = 'abandoned' THEN 'lease_lost' ELSE closing END,
         cost_nanos = cost_nanos + cost,
         ended_at = COALESCE(ended_at, now())
-    WHERE lease_token = token
+    WHERE task_id = task AND lease_token = token
     RETURNING * INTO a;
 
-    IF released > 0 OR cost > 0 THEN
-        SELECT * INTO s FROM generation.settings FOR UPDATE;
-    ELSE
-        SELECT * INTO s FROM generation.settings;
-    END IF;
     today := (now() AT TIME ZONE s.timezone)::date;
     IF released > 0 OR cost > 0 THEN
         UPDATE generation.settings
