@@ -51,8 +51,8 @@ REAP_SKIPPED_REASONS = frozenset({Reason.TASK_NOT_STALE, Reason.TASK_NOT_FOUND})
 
 # Answers to a settle of a task the list called terminal and unsettled that mean "not mine to
 # settle now": it was deleted since (a retention purge), or it is not terminal as far as this call
-# could see: requeued since (it is settled once terminal again), or a concurrent settle of the
-# same task committed while this one ran (the service answers the loser so; the winner's hook runs).
+# could see: requeued since (it is settled once terminal again). A concurrent settle of the same
+# task is not among these: the loser gets the winner's settlement with settled_now = false.
 SETTLE_SKIPPED_REASONS = frozenset({Reason.TASK_NOT_FOUND, Reason.TASK_NOT_TERMINAL})
 
 MAX_PAGE_SIZE = 10_000

@@ -38,7 +38,7 @@ class _TaskStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TaskStatus
     TASK_STATUS_CANCELLED: _TaskStatus.ValueType  # 6
     """Terminal: cancelled by an operator or a gateway before it finished."""
     TASK_STATUS_EXPIRED: _TaskStatus.ValueType  # 7
-    """Terminal: still queued when its expiry passed; it never ran."""
+    """Terminal: still queued when its expiry passed (it may have run before, and been requeued)."""
 
 class TaskStatus(_TaskStatus, metaclass=_TaskStatusEnumTypeWrapper):
     """Mirrors the Postgres enum generation.task_status, plus the proto3 zero value."""
@@ -53,7 +53,7 @@ TASK_STATUS_FAILED: TaskStatus.ValueType  # 5
 TASK_STATUS_CANCELLED: TaskStatus.ValueType  # 6
 """Terminal: cancelled by an operator or a gateway before it finished."""
 TASK_STATUS_EXPIRED: TaskStatus.ValueType  # 7
-"""Terminal: still queued when its expiry passed; it never ran."""
+"""Terminal: still queued when its expiry passed (it may have run before, and been requeued)."""
 Global___TaskStatus: _TypeAlias = TaskStatus  # noqa: Y015
 
 class _IdleReason:
