@@ -53,6 +53,19 @@ async def serve(
     and lets those in flight finish."""
     database = Database(database_url, settings)
     await database.open()
+    try:
+        await _serve(database, settings, ready, stop)
+    finally:
+        # Also when the start fails (a port in use): an open pool would keep the process alive.
+        await database.close()
+
+
+async def _serve(
+    database: Database,
+    settings: Settings,
+    ready: Callable[[int], None] | None,
+    stop: asyncio.Event | None,
+) -> None:
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", settings.max_message_bytes),
@@ -71,11 +84,7 @@ async def serve(
     port = server.add_insecure_port(f"{settings.host}:{settings.port}")
     # The status page and /metrics; a port in use fails the start, like the gRPC port.
     status_server = StatusServer(database, settings, metrics)
-    try:
-        http_port = await status_server.start()
-    except OSError:
-        await database.close()
-        raise
+    http_port = await status_server.start()
     await server.start()
     log.info("GenerationDataService listening on %s:%d", settings.host, port)
     log.info("status page and /metrics on http://%s:%d/", settings.host, http_port)
@@ -100,5 +109,4 @@ async def serve(
         job.cancel()
     await asyncio.gather(*background, return_exceptions=True)
     await signals.close()
-    await database.close()
     log.info("stopped")
