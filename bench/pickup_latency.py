@@ -87,30 +87,38 @@ async def parked_rounds(
     tool_id: str,
     rounds: int,
     parked: int,
-) -> list[float]:
-    """Per round: `parked` claims wait, one task is queued, the first claim to hold it wins."""
-    latencies = []
+) -> tuple[list[float], list[float]]:
+    """Per round: `parked` claims wait, one task is queued, the first claim to hold it wins.
+
+    Returns two bounds of commit-to-hold per round: from sending the enqueue (upper; includes
+    the enqueue call) and from its answer (lower; the commit happened before the answer).
+    """
+    upper, lower = [], []
     for _ in range(rounds):
+        arrived: list[float] = []
         claims = [
             asyncio.ensure_future(
                 park_on.ClaimNextTask(task_pb2.ClaimNextTaskRequest(tool_id=tool_id, wait=WAIT))
             )
             for _ in range(parked)
         ]
+        for claim in claims:
+            claim.add_done_callback(lambda _, seen=arrived: seen.append(time.perf_counter()))
         await asyncio.sleep(0.02)  # let them park; the timing below starts after this
         sent = time.perf_counter()
         await enqueue_to.QueueTask(task_pb2.QueueTaskRequest(tool_id=tool_id))
+        answered = time.perf_counter()
         done, pending = await asyncio.wait(claims, return_when=asyncio.FIRST_COMPLETED)
-        held = time.perf_counter()
         winner = next(iter(done)).result()
         assert winner.HasField("task"), "a parked claim returned empty"
-        latencies.append(held - sent)
+        upper.append(arrived[0] - sent)
+        lower.append(max(0.0, arrived[0] - answered))
         for claim in pending:
             claim.cancel()
         await park_on.CompleteTask(
             task_pb2.CompleteTaskRequest(task_id=winner.task.id, lease_token=winner.lease_token)
         )
-    return latencies
+    return upper, lower
 
 
 async def polling_rounds(
@@ -156,7 +164,7 @@ def summary(name: str, latencies: list[float]) -> str:
     ms = sorted(x * 1000 for x in latencies)
     p99 = ms[min(len(ms) - 1, int(len(ms) * 0.99))]
     return (
-        f"{name:<34} n={len(ms):<5} p50={statistics.median(ms):8.2f} ms  "
+        f"{name:<38} n={len(ms):<5} p50={statistics.median(ms):8.2f} ms  "
         f"p99={p99:8.2f} ms  max={ms[-1]:8.2f} ms"
     )
 
@@ -170,11 +178,13 @@ async def measure(args: argparse.Namespace, port_a: int, port_b: int) -> None:
         b = task_pb2_grpc.GenerationDataServiceStub(channel_b)
         tool = (await a.UpsertTool(task_pb2.UpsertToolRequest(name="pickup"))).tool.id
         await parked_rounds(a, a, tool, 20, args.parked)  # warm-up: connections, prepared plans
-        same = await parked_rounds(a, a, tool, args.rounds, args.parked)
-        cross = await parked_rounds(b, a, tool, args.rounds, args.parked)
+        same, same_lower = await parked_rounds(a, a, tool, args.rounds, args.parked)
+        cross, cross_lower = await parked_rounds(b, a, tool, args.rounds, args.parked)
         polling = await polling_rounds(a, tool, args.poll_rounds, 2.0)
-    print(summary("same replica (in-process wake)", same))
-    print(summary("cross replica (Redis wake)", cross))
+    print(summary("same replica, from enqueue sent", same))
+    print(summary("same replica, from enqueue answered", same_lower))
+    print(summary("cross replica, from enqueue sent", cross))
+    print(summary("cross replica, from enqueue answered", cross_lower))
     print(summary("polling every 2.0 s (baseline)", polling))
     print(
         f"p50 ratio polling / same replica: "
