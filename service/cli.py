@@ -133,6 +133,7 @@ async def cmd_list(args: argparse.Namespace) -> int:
         request.status = pb.TaskStatus.Value(f"TASK_STATUS_{args.status.upper()}")
     if args.before:
         request.before.FromDatetime(args.before)
+        request.before_id = args.before_id or ""
     answer = await _call(args, "ListTasks", request)
     _print(args, answer, show.tasks(answer.tasks))
     return DONE
@@ -479,11 +480,12 @@ COMMANDS = [
         cmd_list,
         "list tasks, newest first",
         "List tasks newest first (ListTasks), optionally of one tool and one status. Page with "
-        "--before the created_at of the last task shown.",
+        "--before the created_at and --before-id the id of the last task shown.",
         [
             arg("--tool TOOL", TOOL_ID),
             arg("--status", choices=STATUSES),
             arg("--before TIME", "only tasks created before this ISO 8601 time", type=moment),
+            arg("--before-id TASK_ID", "with --before: the last task shown, to page exactly"),
             arg("--limit N", "at most 1000 (50)", type=count, default=50),
         ],
     ),

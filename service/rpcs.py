@@ -394,6 +394,7 @@ def bind_list_tasks(request: task_pb2.ListTasksRequest, settings: Settings) -> P
         "before": validation.timestamp("before", request.before)
         if request.HasField("before")
         else None,
+        "before_id": validation.optional_uuid("before_id", request.before_id),
         "limit": validation.in_range("limit", request.limit, 0, 1_000) or 50,
     }
 

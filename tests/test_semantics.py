@@ -316,3 +316,15 @@ def test_complete_after_a_failed_attempt_clears_the_error(stub: Stub, tool_id: s
         task_pb2.CompleteTaskRequest(task_id=task.id, lease_token=second.lease_token)
     ).task
     assert done.error == ""
+
+
+def test_list_tasks_pages_through_a_batch_sharing_one_instant(stub: Stub, tool_id: str) -> None:
+    items = [task_pb2.QueueTaskRequest(input={"i": i}) for i in range(5)]
+    stub.QueueTasks(task_pb2.QueueTasksRequest(tool_id=tool_id, tasks=items))
+    seen: list[str] = []
+    request = task_pb2.ListTasksRequest(tool_id=tool_id, limit=2)
+    while page := stub.ListTasks(request).tasks:
+        seen += [task.id for task in page]
+        request.before.CopyFrom(page[-1].created_at)
+        request.before_id = page[-1].id
+    assert len(seen) == len(set(seen)) == 5

@@ -2067,10 +2067,15 @@ class ListTasksRequest(_message.Message):
     STATUS_FIELD_NUMBER: _builtins.int
     BEFORE_FIELD_NUMBER: _builtins.int
     LIMIT_FIELD_NUMBER: _builtins.int
+    BEFORE_ID_FIELD_NUMBER: _builtins.int
     tool_id: _builtins.str
     status: Global___TaskStatus.ValueType
     limit: _builtins.int
     """0 means 50; at most 1,000."""
+    before_id: _builtins.str
+    """With before: the id of the last task of the previous page, so tasks created in the same
+    instant (one QueueTasks call) are neither skipped nor repeated.
+    """
     @_builtins.property
     def before(self) -> _timestamp_pb2.Timestamp:
         """Only tasks created before this (the last one of the previous page)."""
@@ -2082,10 +2087,11 @@ class ListTasksRequest(_message.Message):
         status: Global___TaskStatus.ValueType = ...,
         before: _timestamp_pb2.Timestamp | None = ...,
         limit: _builtins.int = ...,
+        before_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["before", b"before"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["before", b"before", "limit", b"limit", "status", b"status", "tool_id", b"tool_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["before", b"before", "before_id", b"before_id", "limit", b"limit", "status", b"status", "tool_id", b"tool_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -344,7 +344,8 @@ class GenerationDataServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListTasks(self, request, context):
-        """Lists tasks, newest first, optionally of one tool and one status; page with `before`.
+        """Lists tasks, newest first, optionally of one tool and one status; page with `before` and
+        `before_id` (the created_at and id of the last task shown).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

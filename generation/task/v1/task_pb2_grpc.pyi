@@ -121,7 +121,9 @@ class GenerationDataServiceStub:
     completed and failed attempts per minute. The SQL builds the answer as one JSON document.
     """
     ListTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.ListTasksRequest, _task_pb2.ListTasksResponse]
-    """Lists tasks, newest first, optionally of one tool and one status; page with `before`."""
+    """Lists tasks, newest first, optionally of one tool and one status; page with `before` and
+    `before_id` (the created_at and id of the last task shown).
+    """
     PurgeTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.PurgeTasksRequest, _task_pb2.PurgeTasksResponse]
     """Deletes up to `batch_size` finished tasks older than the retention (settings.retention_days,
     30; 0 keeps everything), never one whose reservation is not settled yet. Their events go with
@@ -243,7 +245,9 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     completed and failed attempts per minute. The SQL builds the answer as one JSON document.
     """
     ListTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.ListTasksRequest, _task_pb2.ListTasksResponse]  # type: ignore[assignment]
-    """Lists tasks, newest first, optionally of one tool and one status; page with `before`."""
+    """Lists tasks, newest first, optionally of one tool and one status; page with `before` and
+    `before_id` (the created_at and id of the last task shown).
+    """
     PurgeTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.PurgeTasksRequest, _task_pb2.PurgeTasksResponse]  # type: ignore[assignment]
     """Deletes up to `batch_size` finished tasks older than the retention (settings.retention_days,
     30; 0 keeps everything), never one whose reservation is not settled yet. Their events go with
@@ -476,7 +480,9 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _task_pb2.ListTasksRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.ListTasksResponse, _abc.Awaitable[_task_pb2.ListTasksResponse]]:
-        """Lists tasks, newest first, optionally of one tool and one status; page with `before`."""
+        """Lists tasks, newest first, optionally of one tool and one status; page with `before` and
+        `before_id` (the created_at and id of the last task shown).
+        """
 
     @_abc_1.abstractmethod
     def PurgeTasks(
