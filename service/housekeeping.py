@@ -23,7 +23,7 @@ import asyncio
 import logging
 
 from service.database import Database
-from service.rpcs import STATEMENTS
+from service.rpcs import STATEMENTS, signal_queued
 from service.settings import Settings
 from service.signals import Signals
 
@@ -39,10 +39,10 @@ rescued AS (
   UPDATE generation.tasks AS t
   SET status = 'queued', reclaimed = true, lease_token = NULL, claim_expires_at = NULL
   FROM lapsed WHERE t.id = lapsed.id
-  RETURNING t.id, t.tool_id, lapsed.lease_token AS prior_lease_token),
+  RETURNING t.id, t.tool_id, t.status, lapsed.lease_token AS prior_lease_token),
 closed AS (
   SELECT generation.close_attempt(id, prior_lease_token, 'abandoned', 0, false) FROM rescued)
-SELECT id, tool_id, (SELECT count(*) FROM closed) AS closed FROM rescued
+SELECT id, tool_id, status, (SELECT count(*) FROM closed) AS closed FROM rescued
 """
 
 EXPIRE_SQL = """
@@ -77,8 +77,7 @@ async def rescue_lapsed_leases(database: Database, signals: Signals) -> int:
     total = 0
     while True:
         rows = await database.fetch(RESCUE_SQL, {"batch": BATCH})
-        for row in rows:
-            signals.task_queued(str(row["tool_id"]))
+        signal_queued(signals, rows)
         total += len(rows)
         if len(rows) < BATCH:
             return total

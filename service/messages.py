@@ -58,7 +58,7 @@ def tool(row: Row) -> task_pb2.Tool:
         backoff_max_seconds=row["backoff_max_seconds"],
         cost_estimate_nanos=row["cost_estimate_nanos"],
         paused=row["paused"],
-        spent_today_nanos=_today(row) if "today" in row else 0,
+        spent_today_nanos=_today(row),
         reserved_nanos=row["reserved_nanos"],
     )
     for name in ("lease_seconds", "resource_key", "account_group", "daily_cap_nanos"):

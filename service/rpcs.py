@@ -6,6 +6,7 @@ from the descriptor, so what the proto shows is exactly what runs.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from math import ceil
@@ -503,9 +504,11 @@ def signal_event(signals: Signals, rows: list[Row]) -> None:
 
 
 def signal_queued(signals: Signals, rows: list[Row]) -> None:
-    for row in rows:
-        if row.get("status") == "queued":
-            signals.task_queued(str(row["tool_id"]))
+    """Wakes one parked claim per task queued, with one Redis message per tool (a QueueTasks
+    batch of a thousand is one publish, not a thousand)."""
+    queued = Counter(str(row["tool_id"]) for row in rows if row.get("status") == "queued")
+    for tool_id, count in queued.items():
+        signals.task_queued(tool_id, count)
 
 
 def signal_requeue(signals: Signals, rows: list[Row]) -> None:
