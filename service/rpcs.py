@@ -39,8 +39,8 @@ MAX_BATCH = 1_000
 MAX_NAME = 200
 DEFAULT_PROCESSING_GRACE_SECONDS = 120
 DEFAULT_QUEUED_MAX_AGE_SECONDS = 900
-DEFAULT_STALE_LIMIT = 500
-MAX_STALE_LIMIT = 10_000
+DEFAULT_PAGE = 500
+MAX_PAGE = 10_000
 MAX_TEXT = 8_192
 
 SERVICE = task_pb2.DESCRIPTOR.services_by_name["GenerationDataService"]
@@ -65,15 +65,21 @@ class Binding:
     """For a claim that may wait: the tool to park on and for how long."""
 
 
+def _found(rows: list[Row]) -> Row:
+    """The one row of a statement that also says whether the task exists (`found`)."""
+    (row,) = rows
+    if not row["found"]:
+        raise TaskNotFound("task not found")
+    return row
+
+
 def _fenced(rows: list[Row], changed_column: str = "id") -> Row:
     """The row a fenced write returned; raises when the task is missing or the lease not held.
 
     Fenced statements return one row: `found` (the task exists) and the changed row's columns,
     NULL when the WHERE clause (status, lease token, lease still running) refused the write.
     """
-    (row,) = rows
-    if not row["found"]:
-        raise TaskNotFound("task not found")
+    row = _found(rows)
     if row[changed_column] is None and row.get("forced"):
         raise TaskNotStale(
             "the task is not stale now; only stale tasks can be failed without a lease"
@@ -442,8 +448,7 @@ def bind_release_hold(request: task_pb2.ReleaseHoldRequest, settings: Settings) 
 def bind_list_stale_tasks(request: task_pb2.ListStaleTasksRequest, settings: Settings) -> Params:
     return {
         **_stale_thresholds(request),
-        "limit": validation.in_range("limit", request.limit, 0, MAX_STALE_LIMIT)
-        or DEFAULT_STALE_LIMIT,
+        "limit": validation.in_range("limit", request.limit, 0, MAX_PAGE) or DEFAULT_PAGE,
     }
 
 
@@ -480,16 +485,11 @@ def bind_watch_task_events(request: task_pb2.WatchTaskEventsRequest, settings: S
 def bind_list_unsettled_tasks(
     request: task_pb2.ListUnsettledTasksRequest, settings: Settings
 ) -> Params:
-    return {
-        "limit": validation.in_range("limit", request.limit, 0, MAX_STALE_LIMIT)
-        or DEFAULT_STALE_LIMIT
-    }
+    return {"limit": validation.in_range("limit", request.limit, 0, MAX_PAGE) or DEFAULT_PAGE}
 
 
 def respond_settle(rows: list[Row]) -> task_pb2.SettleTaskResponse:
-    (row,) = rows
-    if not row["found"]:
-        raise TaskNotFound("task not found")
+    row = _found(rows)
     if row["task_id"] is None:
         raise TaskNotTerminal("only a finished task can be settled")
     return task_pb2.SettleTaskResponse(
@@ -536,22 +536,15 @@ def respond_claim(rows: list[Row]) -> task_pb2.ClaimNextTaskResponse:
     )
 
 
-def _one_task(rows: list[Row], not_found: str = "task not found") -> Row:
-    (row,) = rows
-    if not row["found"]:
-        raise TaskNotFound(not_found)
-    return row
-
-
 def respond_cancel(rows: list[Row]) -> task_pb2.CancelTaskResponse:
-    row = _one_task(rows)
+    row = _found(rows)
     if row["id"] is None:
         raise TaskFinished("the task has already finished")
     return task_pb2.CancelTaskResponse(task=messages.task(row))
 
 
 def respond_retry(rows: list[Row]) -> task_pb2.RetryTaskResponse:
-    row = _one_task(rows)
+    row = _found(rows)
     if row["id"] is None:
         raise TaskNotRetryable("only a failed, cancelled or expired task can be retried")
     return task_pb2.RetryTaskResponse(task=messages.task(row))

@@ -643,7 +643,8 @@ class WorkerFleet:
                     return None
                 except GenqError as error:
                     if _lease_gone(error):
-                        # After an UNAVAILABLE retry this may also mean the first try committed.
+                        # A FailTask or ReleaseTask retried after UNAVAILABLE may also hear this
+                        # when its first try committed (a retried CompleteTask answers success).
                         ctx.lease_lost.set()
                         log.warning(
                             "task %s: %s refused (%s); result dropped",
