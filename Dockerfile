@@ -6,12 +6,10 @@ FROM python:3.11-slim
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    PYTHONPATH=/app
-# PYTHONPATH: the commands import the project from /app, not from the installed copy in
-# site-packages, because `genq serve` migrates with the alembic.ini it finds next to the
-# `service` package (service/migrations.py), and alembic.ini and alembic/ are not packaged.
+    PIP_DISABLE_PIP_VERSION_CHECK=1
 
+# A plain install: the commands run the copy in site-packages, whose wheel carries the
+# migrations (alembic/ as the package genq_migrations). /app keeps examples/worker.py.
 WORKDIR /app
 COPY . .
 RUN pip install '.[service]' \

@@ -2,16 +2,18 @@
 
     GENQ_ADDR=localhost:50051 python examples/worker.py
 
-It sleeps through a few steps, publishing progress after each, reports what the render cost,
-and returns a made-up image URL. Task input: {"prompt": "...", "seconds": 3.0}. SIGTERM or
-Ctrl-C drains it (see workers_sdk.fleet).
+It sleeps through a few steps, publishing progress and reporting what each step cost, and
+returns a made-up image URL. Task input: {"prompt": "...", "seconds": 3.0}. SIGTERM or Ctrl-C
+drains it; a cancel of a running render stops it, and the steps it paid for are recorded (see
+workers_sdk.fleet).
 
 Environment (each with its default):
     GENQ_ADDR (localhost:50051)          the data plane
     GENQ_TOOL (image-gen)                the tool name this worker hosts
     GENQ_CONCURRENCY (4)                 renders at once
     GENQ_POLL_INTERVAL (2.0)             seconds an idle claim parks in the service
-    GENQ_HEARTBEAT_INTERVAL (60)         seconds between lease heartbeats
+    GENQ_HEARTBEAT_INTERVAL (60)         most seconds between lease heartbeats (a third of
+                                         the lease when that is shorter)
     GENQ_DRAIN_TIMEOUT (30)              seconds in-flight renders get on SIGTERM
 """
 
@@ -41,16 +43,17 @@ async def render(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
     if not isinstance(prompt, str) or not 0 <= seconds <= 600:
         raise PermanentError("input needs a string prompt and 0-600 seconds")
     await ctx.streaming_url(f"https://preview.example.invalid/{task.id}")
+    cost = int(seconds * COST_NANOS_PER_SECOND)
     for step in range(1, STEPS + 1):
         if ctx.is_lease_lost:
             # Another worker owns the task now; our result would be dropped anyway.
             return {}
         await asyncio.sleep(seconds / STEPS)
+        # Billed as it goes: a render cancelled (or drained) half way reports half its cost.
+        ctx.report_usage(cost_nanos=cost * step // STEPS - cost * (step - 1) // STEPS)
         await ctx.progress(step / STEPS, f"step {step}/{STEPS}")
     ctx.report_usage(
-        token_amount=min(PRICE_TOKENS, task.reserved_token_amount),
-        cost_nanos=int(seconds * COST_NANOS_PER_SECOND),
-        model="stand-in-diffusion",
+        token_amount=min(PRICE_TOKENS, task.reserved_token_amount), model="stand-in-diffusion"
     )
     return {"image_url": f"https://images.example.invalid/{task.id}.png", "worker": WORKER}
 

@@ -52,6 +52,8 @@ SETTING_OPTIONS = (
     "cooldown_seconds",
     "account_hold_seconds",
     "retention_days",
+    "processing_grace_seconds",
+    "queued_max_age_seconds",
 )
 
 
@@ -322,11 +324,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
+    if args.downgrade and not args.revision:
+        # A downgrade drops what it undoes (base: every table): never by default.
+        raise UsageError("--downgrade needs an explicit REVISION (e.g. -1, a revision id, or base)")
     from service import migrations
 
     url = _database_url(Settings.from_env())
     if args.downgrade:
-        migrations.downgrade(url, args.revision or "base")
+        migrations.downgrade(url, args.revision)
     else:
         migrations.upgrade(url, args.revision or "head")
     return DONE
@@ -344,30 +349,15 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
     interval = _env_number("GENQ_RECONCILE_INTERVAL_SECONDS", 60)
     if interval <= 0:
         raise SystemExit("GENQ_RECONCILE_INTERVAL_SECONDS must be above 0")
-    return asyncio.run(
-        _reconcile(
-            _target(args),
-            once=args.once,
-            interval=interval,
-            processing_grace=int(_env_number("GENQ_PROCESSING_GRACE_SECONDS", 120)),
-            queued_max_age=int(_env_number("GENQ_QUEUED_MAX_AGE_SECONDS", 900)),
-        )
-    )
+    return asyncio.run(_reconcile(_target(args), once=args.once, interval=interval))
 
 
-async def _reconcile(
-    target: str, *, once: bool, interval: float, processing_grace: int, queued_max_age: int
-) -> int:
+async def _reconcile(target: str, *, once: bool, interval: float) -> int:
     from workers_sdk.reconciler import Reconciler, describe
 
     log = logging.getLogger("genq.reconcile")
     async with GenqClient(target) as client:
-        reconciler = Reconciler(
-            client,
-            reconcile_interval_seconds=interval,
-            processing_grace_seconds=processing_grace,
-            queued_max_age_seconds=queued_max_age,
-        )
+        reconciler = Reconciler(client, reconcile_interval_seconds=interval)
         if once:
             try:
                 summary = await reconciler.sweep()
@@ -435,10 +425,16 @@ COMMANDS = [
         "migrate",
         cmd_migrate,
         "migrate the database and exit",
-        "Upgrade DATABASE_URL (or the embedded database) to a revision (default head).",
+        "Upgrade DATABASE_URL (or the embedded database) to a revision (default head), or with "
+        "--downgrade down to an explicit one. Replicas migrating at once take turns (a Postgres "
+        "advisory lock): the first migrates, the others find head.",
         [
-            arg("revision", "target revision (default: head, or base with --downgrade)", nargs="?"),
-            flag("--downgrade", "downgrade instead of upgrade"),
+            arg(
+                "revision",
+                "target revision (default: head); --downgrade needs one: -1, an id, or base",
+                nargs="?",
+            ),
+            flag("--downgrade", "downgrade to REVISION instead (base drops every table)"),
         ],
         client=False,
     ),
@@ -447,12 +443,12 @@ COMMANDS = [
         cmd_reconcile,
         "reap stale tasks and settle reservations over gRPC (the gateway's reconciler)",
         "Every GENQ_RECONCILE_INTERVAL_SECONDS (60): force-fail the tasks ListStaleTasks returns "
-        "(dead zombies past GENQ_PROCESSING_GRACE_SECONDS, 120; unclaimable rows; never-claimed "
-        "rows older than GENQ_QUEUED_MAX_AGE_SECONDS, 900), then settle the reservation of every "
-        "terminal task exactly once. Talks to the service at --target over gRPC and needs no "
-        "database credentials; any number may run at once. SIGTERM or SIGINT stops it after the "
-        "sweep in progress. Exit codes: 0 done, 1 the service could not be reached or some task "
-        "could not be reaped or settled.",
+        "(as the service's settings judge them: dead zombies past processing_grace_seconds, "
+        "unclaimable rows, tasks waiting past queued_max_age_seconds; see genq settings), then "
+        "settle the reservation of every terminal task exactly once. Talks to the service at "
+        "--target over gRPC and needs no database credentials; any number may run at once. "
+        "SIGTERM or SIGINT stops it after the sweep in progress. Exit codes: 0 done, 1 the "
+        "service could not be reached or some task could not be reaped or settled.",
         [
             flag("--once", "sweep once, log the summary and exit"),
             arg("--target HOST:PORT", "default: GENQ_ADDR or localhost:50051"),
@@ -635,6 +631,16 @@ COMMANDS = [
                 "finished tasks older are purged (30; 0 keeps all)",
                 type=count,
             ),
+            arg(
+                "--processing-grace-seconds N",
+                "a processing task this long past its lapsed lease is stale (120)",
+                type=count,
+            ),
+            arg(
+                "--queued-max-age-seconds N",
+                "a queued task that could run this long, no worker asking, is stale (900)",
+                type=count,
+            ),
         ],
     ),
 ]
@@ -689,9 +695,9 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     args = parser().parse_args(argv)
-    if not args.remote:
-        return int(args.run(args))
     try:
+        if not args.remote:
+            return int(args.run(args))
         return asyncio.run(_run_client(args))
     except UsageError as error:
         print(f"genq {args.command}: error: {error}", file=sys.stderr)

@@ -157,6 +157,8 @@ def settings(value: task_pb2.Settings) -> str:
         f"account hold: {value.account_hold_seconds} s",
         f"retention: {value.retention_days} days"
         + (" (keeps everything)" if value.retention_days == 0 else ""),
+        f"stale after: {value.processing_grace_seconds} s past a lapsed lease (processing), "
+        f"{value.queued_max_age_seconds} s with no worker asking (queued)",
     ]
     return "\n".join(lines)
 

@@ -79,6 +79,11 @@ class Internal(ServiceError):
     reason = Reason.INTERNAL
 
 
+class DeadlineExceeded(ServiceError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    reason = Reason.DEADLINE_EXCEEDED
+
+
 class DatabaseUnavailable(ServiceError):
     code = grpc.StatusCode.UNAVAILABLE
     reason = Reason.DATABASE_UNAVAILABLE

@@ -3,6 +3,10 @@ leaves through one boundary as a gRPC status with an ErrorInfo.
 
 Two RPCs add a loop around their statement: a claim with `wait` re-runs it when woken, and
 WatchTaskEvents re-runs its page query until the terminal event.
+
+Every statement is bounded by the caller's deadline, but a claim: it runs shielded from the
+caller going away, so that what it claimed is known and, when the answer can no longer reach the
+caller, handed straight back (rpcs.HAND_BACK_SQL) instead of waiting out a lease.
 """
 
 from __future__ import annotations
@@ -22,10 +26,26 @@ from opentelemetry import propagate, trace
 from generation.task.v1 import task_pb2
 from service import messages
 from service.database import Database
-from service.errors import Internal, InvalidArgument, ServiceError, TaskNotFound, rpc_status_of
+from service.errors import (
+    DeadlineExceeded,
+    Internal,
+    InvalidArgument,
+    ServiceError,
+    TaskNotFound,
+    rpc_status_of,
+)
 from service.messages import Row
 from service.metrics import Metrics
-from service.rpcs import BINDINGS, SERVICE, STATEMENTS, WATCH, Binding, Params
+from service.rpcs import (
+    BINDINGS,
+    HAND_BACK_SQL,
+    SERVICE,
+    STATEMENTS,
+    WATCH,
+    Binding,
+    Params,
+    signal_requeue,
+)
 from service.settings import Settings
 from service.signals import TERMINAL_EVENTS, Signals
 
@@ -47,6 +67,7 @@ class Handlers:
         self.signals = signals
         self.settings = settings
         self.metrics = metrics or Metrics()
+        self._hand_backs: set[asyncio.Task[None]] = set()
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         """GenerationDataService, each method bound to the statement in its `sql` option.
@@ -84,9 +105,9 @@ class Handlers:
                 params = binding.bind(request, self.settings)
                 if binding.park is not None:
                     tool, seconds = binding.park(request, params, self.settings)
-                    rows = await self._claim_waiting(sql, params, tool, seconds)
+                    rows = await self._claim_waiting(sql, params, tool, seconds, context)
                 else:
-                    rows = await self.database.fetch(sql, params)
+                    rows = await self.database.fetch(sql, params, timeout=_remaining(context))
                 if binding.after is not None:
                     binding.after(self.signals, rows)
                 response = binding.respond(rows).SerializeToString()
@@ -102,7 +123,7 @@ class Handlers:
         return handle
 
     async def _claim_waiting(
-        self, sql: str, params: Params, tool: str, seconds: float
+        self, sql: str, params: Params, tool: str, seconds: float, context: Context
     ) -> list[Row]:
         """Runs the claim; when it finds nothing, parks until woken or re-check, up to `seconds`."""
         loop = asyncio.get_running_loop()
@@ -111,7 +132,7 @@ class Handlers:
         while True:
             waiter = wake.register(tool)  # before the read: a wake during it is not lost
             try:
-                rows = await self.database.fetch(sql, params)
+                rows = await self._claim(sql, params, context)
                 remaining = deadline - loop.time()
                 if rows[0]["id"] is not None or rows[0]["idle_reason"] == "unknown_tool":
                     return rows
@@ -120,6 +141,44 @@ class Handlers:
                 await wake.wait(waiter, min(remaining, self.settings.recheck_seconds))
             finally:
                 wake.discard(tool, waiter)
+
+    async def _claim(self, sql: str, params: Params, context: Context) -> list[Row]:
+        """One claim statement, shielded from the caller: if the caller goes away while it runs
+        (its deadline passes, the link drops), the statement still finishes and what it claimed
+        is handed back at once; so is a claim that finishes after the caller's deadline."""
+        claim = asyncio.ensure_future(self.database.fetch(sql, params))
+        try:
+            rows = await asyncio.shield(claim)
+        except asyncio.CancelledError:
+            claim.add_done_callback(self._hand_back_claimed)
+            raise
+        left = _remaining(context)
+        if left is not None and left <= 0:
+            self._hand_back_claimed(claim)
+            raise DeadlineExceeded("the deadline passed before the claim's answer could be sent")
+        return rows
+
+    def _hand_back_claimed(self, claim: asyncio.Future[list[Row]]) -> None:
+        if claim.cancelled() or claim.exception() is not None:
+            return  # nothing known to be claimed: an unconfirmed lease lapses and costs nothing
+        for row in claim.result():
+            if row["id"] is not None:
+                job = asyncio.ensure_future(self._hand_back(row))
+                self._hand_backs.add(job)
+                job.add_done_callback(self._hand_backs.discard)
+
+    async def _hand_back(self, claimed: Row) -> None:
+        try:
+            rows = await self.database.fetch(
+                HAND_BACK_SQL, {"task_id": claimed["id"], "lease_token": claimed["lease_token"]}
+            )
+        except Exception as error:
+            log.warning(
+                "hand-back of task %s failed (%s); its lease will lapse", claimed["id"], error
+            )
+            return
+        log.info("task %s: claim answer undeliverable, handed back", claimed["id"])
+        signal_requeue(self.signals, rows)
 
     def watch_events(
         self, method: MethodDescriptor
@@ -149,7 +208,7 @@ class Handlers:
             waiter = wake.register(task_id)
             try:
                 rows = await self.database.fetch(sql, params)
-                if not rows[0]["found"]:
+                if not rows[0]["task_found"]:
                     raise TaskNotFound("task not found")
                 events = [row["event"] for row in rows if row["event"] is not None]
                 for event in events:
@@ -188,6 +247,12 @@ def _parser(method: MethodDescriptor) -> Callable[[bytes], Message]:
             raise InvalidArgument("the request is not a valid protobuf message") from None
 
     return parse
+
+
+def _remaining(context: Context) -> float | None:
+    """Seconds left of the caller's deadline; None when it set none."""
+    left = context.time_remaining()
+    return None if left is None else float(left)
 
 
 def _code_of(error: Exception) -> Any:

@@ -5,9 +5,12 @@ with SKIP LOCKED and re-checks in its WHERE clause, so replicas running at once 
   ahead of fresh work. Why not in the claim: finding lapsed leases in O(1) per claim needs an
   index on claim_expires_at, and then every heartbeat would update an indexed column and stop
   being HOT. So the claim reads one index of claimable rows, and this sweep moves lapsed rows
-  into it marked `reclaimed`; the next claim takes them first and charges the retry then. The
-  lapsed run's attempt is closed `abandoned` and its reservation released. Rows whose retries
-  are used up are left `processing` for the watchdog (ListStaleTasks).
+  into it marked `reclaimed`; the next claim takes them first. generation.rescue_lapsed_v1
+  decides each: an unconfirmed claim costs nothing, a confirmed run one retry (the task fails at
+  once when that was its last), a run asked to cancel ends cancelled.
+- Overrides, same interval: a replica whose environment sets GENQ_DISABLED or
+  GENQ_DAILY_CAP_NANOS shows them in generation.replica_overrides (seen_at refreshed), and every
+  replica's claims obey every override seen in the last 30 s; a clean stop withdraws them.
 - Expiry, same interval: queued tasks past `expires_at` end `expired` without running. Suspended
   while the kill switch is off, so a pause keeps its backlog.
 - Purge, once at start and then at most once an hour (PURGE_INTERVAL_SECONDS): PurgeTasks' own
@@ -21,48 +24,33 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 
 from service.database import Database
-from service.rpcs import STATEMENTS, signal_queued
+from service.rpcs import STATEMENTS, signal_event, signal_requeue
 from service.settings import Settings
 from service.signals import Signals
 
 log = logging.getLogger(__name__)
 
-RESCUE_SQL = """
-WITH lapsed AS (
-  SELECT id, lease_token FROM generation.tasks
-  WHERE status = 'processing' AND claim_expires_at < now() AND retry_count < max_retries
-  LIMIT %(batch)s
-  FOR UPDATE SKIP LOCKED),
-rescued AS (
-  UPDATE generation.tasks AS t
-  SET status = 'queued', reclaimed = true, lease_token = NULL, claim_expires_at = NULL
-  FROM lapsed WHERE t.id = lapsed.id
-  RETURNING t.id, t.tool_id, t.status, lapsed.lease_token AS prior_lease_token),
-closed AS (
-  SELECT generation.close_attempt(id, prior_lease_token, 'abandoned', 0, false) FROM rescued)
-SELECT id, tool_id, status, (SELECT count(*) FROM closed) AS closed FROM rescued
+RESCUE_SQL = (
+    "SELECT (r.task).id, (r.task).tool_id, (r.task).status, r.event "
+    "FROM generation.rescue_lapsed_v1(%(batch)s) AS r"
+)
+EXPIRE_SQL = (
+    "SELECT (e.task).id, e.event FROM generation.expire_tasks_v1(%(batch)s, %(disabled)s) AS e"
+)
+# This replica's environment overrides, shown to every replica's claims while it runs.
+OVERRIDES_SQL = """
+WITH mine AS (
+  INSERT INTO generation.replica_overrides (replica_id, disabled, daily_cap_nanos, seen_at)
+  VALUES (%(replica)s, %(disabled)s, %(cap)s, now())
+  ON CONFLICT (replica_id) DO UPDATE
+  SET disabled = EXCLUDED.disabled, daily_cap_nanos = EXCLUDED.daily_cap_nanos, seen_at = now())
+DELETE FROM generation.replica_overrides
+WHERE seen_at < now() - interval '1 hour' AND replica_id <> %(replica)s
 """
-
-EXPIRE_SQL = """
-WITH expired AS (
-  UPDATE generation.tasks AS t
-  SET status = 'expired', completed_at = now()
-  WHERE t.id IN (
-      SELECT id FROM generation.tasks
-      WHERE status = 'queued' AND expires_at < now()
-      ORDER BY expires_at
-      LIMIT %(batch)s
-      FOR UPDATE SKIP LOCKED)
-    AND (SELECT enabled FROM generation.settings) AND NOT %(disabled_override)s::boolean
-  RETURNING t.id),
-event AS (
-  INSERT INTO generation.task_events (task_id, kind)
-  SELECT id, 'expired' FROM expired
-  RETURNING *)
-SELECT to_jsonb(event) AS event FROM event
-"""
+OVERRIDES_GONE_SQL = "DELETE FROM generation.replica_overrides WHERE replica_id = %(replica)s"
 
 BATCH = 1000
 PURGE_SQL = STATEMENTS["PurgeTasks"]
@@ -73,11 +61,11 @@ PURGE_RETRY_SECONDS = 60.0
 
 
 async def rescue_lapsed_leases(database: Database, signals: Signals) -> int:
-    """One rescue sweep; returns how many tasks went back to the queue."""
+    """One rescue sweep; returns how many lapsed leases it ended."""
     total = 0
     while True:
         rows = await database.fetch(RESCUE_SQL, {"batch": BATCH})
-        signal_queued(signals, rows)
+        signal_requeue(signals, rows)
         total += len(rows)
         if len(rows) < BATCH:
             return total
@@ -87,11 +75,8 @@ async def expire_tasks(database: Database, signals: Signals, settings: Settings)
     """One expiry sweep; returns how many tasks expired."""
     total = 0
     while True:
-        rows = await database.fetch(
-            EXPIRE_SQL, {"batch": BATCH, "disabled_override": settings.disabled}
-        )
-        for row in rows:
-            signals.event_added(row["event"])
+        rows = await database.fetch(EXPIRE_SQL, {"batch": BATCH, "disabled": settings.disabled})
+        signal_event(signals, rows)
         total += len(rows)
         if len(rows) < BATCH:
             return total
@@ -112,12 +97,30 @@ async def purge_finished(database: Database) -> tuple[int, int]:
     return total, days
 
 
-async def run(database: Database, signals: Signals, settings: Settings) -> None:
+def overrides(settings: Settings) -> bool:
+    """Whether this replica's environment overrides the switch or the cap."""
+    return settings.disabled or settings.daily_cap_nanos is not None
+
+
+async def show_overrides(database: Database, settings: Settings, replica: uuid.UUID) -> None:
+    await database.fetch(
+        OVERRIDES_SQL,
+        {"replica": replica, "disabled": settings.disabled, "cap": settings.daily_cap_nanos},
+    )
+
+
+async def withdraw_overrides(database: Database, replica: uuid.UUID) -> None:
+    await database.fetch(OVERRIDES_GONE_SQL, {"replica": replica})
+
+
+async def run(database: Database, signals: Signals, settings: Settings, replica: uuid.UUID) -> None:
     interval = settings.rescue_interval_seconds
     loop = asyncio.get_running_loop()
     purge_due = loop.time()  # once at start
     while True:
         try:
+            if overrides(settings):
+                await show_overrides(database, settings, replica)
             if rescued := await rescue_lapsed_leases(database, signals):
                 log.info("rescued %d tasks whose lease lapsed", rescued)
             if expired := await expire_tasks(database, signals, settings):

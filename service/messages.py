@@ -28,6 +28,7 @@ def task(row: Row) -> task_pb2.Task:
         resource_key=row["resource_key"] or "",
         account_group=row["account_group"] or "",
         attempt_count=row["attempt_count"],
+        unconfirmed_claims=row["unconfirmed_claims"],
     )
     if row["cost_estimate_nanos"] is not None:
         message.cost_estimate_nanos = row["cost_estimate_nanos"]
@@ -44,6 +45,7 @@ def task(row: Row) -> task_pb2.Task:
         "completed_at",
         "run_at",
         "expires_at",
+        "cancel_requested_at",
     ):
         _timestamp(getattr(message, name), row[name])
     return message
@@ -116,6 +118,8 @@ def settings(row: Row) -> task_pb2.Settings:
         spent_today_nanos=_today(row),
         reserved_nanos=row["reserved_nanos"],
         disabled_by_environment=row["disabled_by_environment"],
+        processing_grace_seconds=row["processing_grace_seconds"],
+        queued_max_age_seconds=row["queued_max_age_seconds"],
     )
     if row["daily_cap_nanos"] is not None:
         message.daily_cap_nanos = row["daily_cap_nanos"]

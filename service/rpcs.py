@@ -37,8 +37,8 @@ DEFAULT_TTL_SECONDS = 7 * 86_400
 MAX_TTL_SECONDS = 10 * 365 * 86_400
 MAX_BATCH = 1_000
 MAX_NAME = 200
-DEFAULT_PROCESSING_GRACE_SECONDS = 120
-DEFAULT_QUEUED_MAX_AGE_SECONDS = 900
+MIN_LEASE_SECONDS = 10
+"""The lease floor: a shorter one cannot outlive one slow heartbeat (the SDK beats every third)."""
 DEFAULT_PAGE = 500
 MAX_PAGE = 10_000
 MAX_TEXT = 8_192
@@ -51,6 +51,13 @@ STATEMENTS: dict[str, str] = {
 }
 
 Params = dict[str, Any]
+
+HAND_BACK_SQL = (
+    "SELECT c.task_found, c.event, (c.task).* "
+    "FROM generation.release_task_v1(%(task_id)s, %(lease_token)s, 0, true) AS c"
+)
+"""ClaimNextTask's other half: a claim whose caller's deadline passed before its answer left is
+handed straight back, costing nothing (see the RPC's comment in task.proto)."""
 
 
 @dataclass(frozen=True)
@@ -66,9 +73,9 @@ class Binding:
 
 
 def _found(rows: list[Row]) -> Row:
-    """The one row of a statement that also says whether the task exists (`found`)."""
+    """The one row of a statement that also says whether the task exists (`task_found`)."""
     (row,) = rows
-    if not row["found"]:
+    if not row["task_found"]:
         raise TaskNotFound("task not found")
     return row
 
@@ -76,7 +83,7 @@ def _found(rows: list[Row]) -> Row:
 def _fenced(rows: list[Row], changed_column: str = "id") -> Row:
     """The row a fenced write returned; raises when the task is missing or the lease not held.
 
-    Fenced statements return one row: `found` (the task exists) and the changed row's columns,
+    Fenced statements return one row: `task_found` (the task exists) and the changed row's columns,
     NULL when the WHERE clause (status, lease token, lease still running) refused the write.
     """
     row = _found(rows)
@@ -87,19 +94,6 @@ def _fenced(rows: list[Row], changed_column: str = "id") -> Row:
     if row[changed_column] is None:
         raise LeaseLost("lease lost: the task is no longer held under this lease")
     return row
-
-
-def _stale_thresholds(request: Any) -> Params:
-    return {
-        "processing_grace_seconds": validation.in_range(
-            "processing_grace_seconds", request.processing_grace_seconds, 0, 86_400 * 30
-        )
-        or DEFAULT_PROCESSING_GRACE_SECONDS,
-        "queued_max_age_seconds": validation.in_range(
-            "queued_max_age_seconds", request.queued_max_age_seconds, 0, 86_400 * 365
-        )
-        or DEFAULT_QUEUED_MAX_AGE_SECONDS,
-    }
 
 
 def bind_upsert_tool(request: task_pb2.UpsertToolRequest, settings: Settings) -> Params:
@@ -273,7 +267,6 @@ def bind_fail_task(request: task_pb2.FailTaskRequest, settings: Settings) -> Par
         "cost_nanos": validation.cost(
             "reported_usage.cost_nanos", request.reported_usage.cost_nanos
         ),
-        **_stale_thresholds(request),
     }
 
 
@@ -336,7 +329,9 @@ def bind_configure_tool(request: task_pb2.ConfigureToolRequest, settings: Settin
         "backoff_base_seconds": _optional(request, "backoff_base_seconds", _seconds),
         "backoff_max_seconds": _optional(request, "backoff_max_seconds", _seconds),
         "lease_seconds": _optional(
-            request, "lease_seconds", lambda n, v: validation.in_range(n, v, 1, 86_400)
+            request,
+            "lease_seconds",
+            lambda n, v: validation.in_range(n, v, MIN_LEASE_SECONDS, 86_400),
         ),
         "resource_key": _optional(request, "resource_key", _key),
         "account_group": _optional(request, "account_group", _key),
@@ -365,6 +360,14 @@ def bind_update_settings(request: task_pb2.UpdateSettingsRequest, settings: Sett
         "account_hold_seconds": _optional(request, "account_hold_seconds", _seconds),
         "retention_days": _optional(
             request, "retention_days", lambda n, v: validation.in_range(n, v, 0, 36_500)
+        ),
+        "processing_grace_seconds": _optional(
+            request, "processing_grace_seconds", lambda n, v: validation.in_range(n, v, 1, 86_400)
+        ),
+        "queued_max_age_seconds": _optional(
+            request,
+            "queued_max_age_seconds",
+            lambda n, v: validation.in_range(n, v, 1, 30 * 86_400),
         ),
         "clear": _clear(request, {"daily_cap_nanos"}),
         **_overrides(settings),
@@ -446,10 +449,7 @@ def bind_release_hold(request: task_pb2.ReleaseHoldRequest, settings: Settings) 
 
 
 def bind_list_stale_tasks(request: task_pb2.ListStaleTasksRequest, settings: Settings) -> Params:
-    return {
-        **_stale_thresholds(request),
-        "limit": validation.in_range("limit", request.limit, 0, MAX_PAGE) or DEFAULT_PAGE,
-    }
+    return {"limit": validation.in_range("limit", request.limit, 0, MAX_PAGE) or DEFAULT_PAGE}
 
 
 PUBLISHABLE = {
@@ -512,7 +512,7 @@ def signal_queued(signals: Signals, rows: list[Row]) -> None:
 
 
 def signal_requeue(signals: Signals, rows: list[Row]) -> None:
-    """FailTask and ReleaseTask: a requeued task wakes claimers; every outcome is an event."""
+    """A task (re)queued wakes claimers; the transition's event reaches followers."""
     signal_queued(signals, rows)
     signal_event(signals, rows)
 
@@ -531,8 +531,17 @@ def respond_claim(rows: list[Row]) -> task_pb2.ClaimNextTaskResponse:
         return task_pb2.ClaimNextTaskResponse(
             idle_reason=task_pb2.IdleReason.Value(f"IDLE_REASON_{row['idle_reason'].upper()}")
         )
-    return task_pb2.ClaimNextTaskResponse(
+    response = task_pb2.ClaimNextTaskResponse(
         task=messages.task(row), lease_token=str(row["lease_token"])
+    )
+    response.lease.FromSeconds(row["lease"])
+    return response
+
+
+def respond_cancel_tasks(rows: list[Row]) -> task_pb2.CancelTasksResponse:
+    statuses = Counter(row["status"] for row in rows)
+    return task_pb2.CancelTasksResponse(
+        cancelled=statuses["cancelled"], cancel_requested=statuses["processing"]
     )
 
 
@@ -558,8 +567,9 @@ def respond_tool(rows: list[Row]) -> task_pb2.Tool:
 
 def respond_heartbeat(rows: list[Row]) -> task_pb2.HeartbeatTaskResponse:
     row = _fenced(rows, "claim_expires_at")
-    response = task_pb2.HeartbeatTaskResponse()
+    response = task_pb2.HeartbeatTaskResponse(cancel_requested=row["cancel_requested"])
     response.claim_expires_at.FromDatetime(row["claim_expires_at"])
+    response.lease.FromSeconds(row["lease_seconds"])
     return response
 
 
@@ -580,18 +590,15 @@ BINDINGS: dict[str, Binding] = {
         bind_upsert_tool,
         lambda rows: task_pb2.UpsertToolResponse(tool=messages.tool(rows[0])),
     ),
-    "QueueTask": Binding(bind_queue_task, respond_queue_task, after=signal_queued),
+    "QueueTask": Binding(bind_queue_task, respond_queue_task, after=signal_requeue),
     "QueueTasks": Binding(
         bind_queue_tasks,
         respond_queue_tasks,
         after=signal_queued,
     ),
     "CancelTask": Binding(bind_task_id, respond_cancel, after=signal_event),
-    "CancelTasks": Binding(
-        bind_cancel_tasks,
-        lambda rows: task_pb2.CancelTasksResponse(cancelled=rows[0]["cancelled"]),
-    ),
-    "RetryTask": Binding(bind_retry_task, respond_retry, after=signal_queued),
+    "CancelTasks": Binding(bind_cancel_tasks, respond_cancel_tasks, after=signal_event),
+    "RetryTask": Binding(bind_retry_task, respond_retry, after=signal_requeue),
     "ConfigureTool": Binding(
         bind_configure_tool,
         lambda rows: task_pb2.ConfigureToolResponse(tool=respond_tool(rows)),
@@ -614,7 +621,9 @@ BINDINGS: dict[str, Binding] = {
     "ReleaseHold": Binding(
         bind_release_hold, lambda rows: task_pb2.ReleaseHoldResponse(released=bool(rows))
     ),
-    "ClaimNextTask": Binding(bind_claim_next_task, respond_claim, park=park_claim),
+    "ClaimNextTask": Binding(
+        bind_claim_next_task, respond_claim, after=signal_event, park=park_claim
+    ),
     "HeartbeatTask": Binding(bind_heartbeat_task, respond_heartbeat),
     "CompleteTask": Binding(
         bind_complete_task,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import uuid
 from collections.abc import Callable
 
 import grpc
@@ -22,14 +23,20 @@ from service.signals import Signals
 
 log = logging.getLogger(__name__)
 
-HEALTH_CHECK_INTERVAL_SECONDS = 2.0
+# A ping every second, each bounded by GENQ_PING_TIMEOUT_SECONDS (1.5): health turns NOT_SERVING
+# at most interval + ping timeout (2.5 s) after Postgres stops answering, idle or busy.
+HEALTH_CHECK_INTERVAL_SECONDS = 1.0
 
 
 async def watch_health(database: Database, health_servicer: health.aio.HealthServicer) -> None:
-    """NOT_SERVING while Postgres does not answer, so load balancers and probes can tell."""
+    """NOT_SERVING while Postgres does not answer, so load balancers and probes can tell.
+
+    The ping goes through the pool, as every call does: a pool whose connections are wedged
+    (backends stopped, a frozen server) or all held past the ping timeout is NOT_SERVING too.
+    """
     serving = None
     while True:
-        up = await database.ping()
+        up = await database.ping()  # bounded: it never waits past the ping timeout
         if up != serving:
             serving = up
             state = (
@@ -81,6 +88,13 @@ async def _serve(
     reflection.enable_server_reflection(
         [SERVICE.full_name, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
+    replica = uuid.uuid4()
+    if housekeeping.overrides(settings):
+        # Shown before this replica serves, and refreshed by housekeeping while it runs.
+        try:
+            await housekeeping.show_overrides(database, settings, replica)
+        except Exception as error:
+            log.warning("could not show this replica's overrides yet: %s", error)
     port = server.add_insecure_port(f"{settings.host}:{settings.port}")
     # The status page and /metrics; a port in use fails the start, like the gRPC port.
     status_server = StatusServer(database, settings, metrics)
@@ -97,7 +111,7 @@ async def _serve(
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     background = [
         asyncio.create_task(watch_health(database, health_servicer)),
-        asyncio.create_task(housekeeping.run(database, signals, settings)),
+        asyncio.create_task(housekeeping.run(database, signals, settings, replica)),
         asyncio.create_task(signals.listen()),
     ]
     await stop.wait()
@@ -109,4 +123,9 @@ async def _serve(
         job.cancel()
     await asyncio.gather(*background, return_exceptions=True)
     await signals.close()
+    if housekeeping.overrides(settings):
+        try:
+            await housekeeping.withdraw_overrides(database, replica)
+        except Exception as error:  # it lapses in 30 s anyway
+            log.warning("could not withdraw this replica's overrides: %s", error)
     log.info("stopped")

@@ -42,6 +42,28 @@ class Settings:
     statement_timeout_ms: int = 10_000
     """GENQ_STATEMENT_TIMEOUT_MS (10000): Postgres statement_timeout of every session."""
 
+    statement_margin_seconds: float = 2.0
+    """GENQ_STATEMENT_MARGIN_SECONDS (2): a database call without a deadline is given up
+    client-side (UNAVAILABLE) after GENQ_POOL_TIMEOUT_SECONDS + GENQ_STATEMENT_TIMEOUT_MS + this;
+    a call with a deadline at its deadline, if sooner."""
+
+    ping_timeout_seconds: float = 1.5
+    """GENQ_PING_TIMEOUT_SECONDS (1.5): the health check's SELECT 1, sent through the pool every
+    second, must answer within this, else gRPC health is NOT_SERVING."""
+
+    connect_timeout_seconds: int = 3
+    """GENQ_CONNECT_TIMEOUT_SECONDS (3): libpq connect_timeout of each new connection (at least
+    2), unless DATABASE_URL sets one."""
+
+    tcp_keepalive_seconds: int = 10
+    """GENQ_TCP_KEEPALIVE_SECONDS (10): a quiet TCP connection to Postgres is probed after this
+    long, then every third of it, three times, and dropped if none is answered (libpq keepalives,
+    unless DATABASE_URL sets them)."""
+
+    tcp_user_timeout_ms: int = 10_000
+    """GENQ_TCP_USER_TIMEOUT_MS (10000): a TCP connection to Postgres whose sent data stays
+    unacknowledged this long is dropped (libpq tcp_user_timeout, unless DATABASE_URL sets it)."""
+
     lease_seconds: int = 120
     """GENQ_LEASE_SECONDS (120): lease length set by a claim and by each heartbeat."""
 

@@ -3,13 +3,31 @@ and, when Redis is configured, tell the other replicas and mirror events into Re
 
 Nothing here can fail a call. Redis work runs after the commit, off the call's path; its errors
 are logged and dropped, and the short re-check of every parked reader is the floor.
+
+The event mirror keeps each task's Redis Stream in sequence order, its terminal event last.
+`event_added` only appends the event to one bounded queue (O(1), never awaits); one mirror task
+drains it in the order the events were added, a batch at a time: within a batch each task's
+events are sorted by sequence, and the batch goes out as one pipeline on one connection, which
+Redis executes in order, before the next batch is taken. Events of a task are added in commit
+order (the statements that add them lock the task's row), so the stream follows the sequence.
+An event arriving after a later one of its task was already mirrored (its statement's answer
+overtaken by a later one's) is dropped rather than written out of order; Postgres keeps every
+event, and `WatchTaskEvents` replays them all. The order holds per service process: with several
+replicas writing events of one task, each mirrors its own.
+
+The queue is bounded (`MIRROR_QUEUE_MAX`): when Redis is slower than the events, the newest are
+dropped (logged). Each batch sets every stream it wrote to expire `STREAM_TTL_SECONDS` after its
+last write, so the expiry follows the terminal event, and a stream whose terminal event was
+dropped still expires.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+from collections import OrderedDict
 from collections.abc import Awaitable
 from typing import Any
 
@@ -23,6 +41,17 @@ log = logging.getLogger(__name__)
 TERMINAL_EVENTS = {"completed", "failed", "cancelled", "expired"}
 STREAM_MAXLEN = 10_000
 STREAM_TTL_SECONDS = 7 * 86_400
+
+MIRROR_QUEUE_MAX = 10_000
+"""Events waiting for the mirror at most; beyond it new ones are dropped."""
+
+MIRROR_BATCH_MAX = 500
+"""Events written in one pipeline at most."""
+
+MIRROR_TRACKED_TASKS = 10_000
+"""Tasks whose last mirrored sequence is remembered (the most recently written ones)."""
+
+CLOSE_TIMEOUT_SECONDS = 2.0
 
 
 class Signals:
@@ -38,6 +67,12 @@ class Signals:
         )
         self._redis_url = settings.redis_url
         self._background: set[asyncio.Task[Any]] = set()
+        # The event mirror, started with the first event (it needs the running loop).
+        self._mirror_queue: asyncio.Queue[dict[str, Any]] | None = None
+        self._mirror_task: asyncio.Task[None] | None = None
+        self._mirrored: OrderedDict[str, int] = OrderedDict()
+        """Task id → the last sequence written to its stream, least recently written first."""
+        self._dropped = 0
 
     def events_stream(self, task_id: str) -> str:
         return f"{self.environment}:common:task:{task_id}:events"
@@ -51,20 +86,85 @@ class Signals:
         task_id = str(event["task_id"])
         self.tasks.notify(task_id, count=None)
         if self.redis is not None:
-            self._spawn(self._mirror(task_id, event))
+            self._mirror_later(event)
 
-    async def _mirror(self, task_id: str, event: dict[str, Any]) -> None:
+    # -- the event mirror -------------------------------------------------------------------
+
+    def _mirror_later(self, event: dict[str, Any]) -> None:
+        if self._mirror_queue is None:
+            self._mirror_queue = asyncio.Queue(MIRROR_QUEUE_MAX)
+        if self._mirror_task is None or self._mirror_task.done():
+            self._mirror_task = asyncio.create_task(self._mirror(), name="redis event mirror")
+        try:
+            self._mirror_queue.put_nowait(event)
+        except asyncio.QueueFull:
+            self._dropped += 1
+            if self._dropped == 1 or self._dropped % 1000 == 0:
+                log.warning("redis event mirror behind: %d events dropped so far", self._dropped)
+
+    async def _mirror(self) -> None:
+        """Drains the queue in order, one batch (one pipeline) at a time; runs until cancelled."""
+        queue = self._mirror_queue
+        assert queue is not None
+        while True:
+            batch = [await queue.get()]
+            # One turn of the loop, so events whose statements answered together queue up behind
+            # the first and are sorted with it.
+            await asyncio.sleep(0)
+            while len(batch) < MIRROR_BATCH_MAX and not queue.empty():
+                batch.append(queue.get_nowait())
+            try:
+                await self._write(batch)
+            except Exception as error:  # the mirror must outlive Redis going away
+                log.warning("redis event mirror: %d events dropped: %s", len(batch), error)
+            finally:
+                for _ in batch:
+                    queue.task_done()
+
+    async def _write(self, batch: list[dict[str, Any]]) -> None:
         assert self.redis is not None
-        stream = self.events_stream(task_id)
-        fields = {
-            "sequence": str(event["sequence"]),
-            "kind": event["kind"],
-            "data": json.dumps(event["data"]),
-            "created_at": str(event["created_at"]),
-        }
-        await self.redis.xadd(stream, fields, maxlen=STREAM_MAXLEN, approximate=True)  # type: ignore[arg-type]
-        if event["kind"] in TERMINAL_EVENTS:
-            await self.redis.expire(stream, STREAM_TTL_SECONDS)
+        by_task: dict[str, list[dict[str, Any]]] = {}
+        for event in batch:
+            by_task.setdefault(str(event["task_id"]), []).append(event)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            commands = 0
+            for task_id, events in by_task.items():
+                stream = self.events_stream(task_id)
+                last = self._mirrored.get(task_id, 0)
+                written = False
+                for event in sorted(events, key=lambda e: int(e["sequence"])):
+                    sequence = int(event["sequence"])
+                    if sequence <= last:
+                        log.warning(
+                            "redis event mirror: task %s event %d came after %d; not mirrored",
+                            task_id,
+                            sequence,
+                            last,
+                        )
+                        continue
+                    fields = {
+                        "sequence": str(sequence),
+                        "kind": event["kind"],
+                        "data": json.dumps(event["data"]),
+                        "created_at": str(event["created_at"]),
+                    }
+                    pipe.xadd(stream, fields, maxlen=STREAM_MAXLEN, approximate=True)  # type: ignore[arg-type]
+                    last = sequence
+                    written = True
+                    commands += 1
+                if written:
+                    pipe.expire(stream, STREAM_TTL_SECONDS)
+                    self._remember(task_id, last)
+            if commands:
+                await pipe.execute()
+
+    def _remember(self, task_id: str, sequence: int) -> None:
+        self._mirrored[task_id] = sequence
+        self._mirrored.move_to_end(task_id)
+        while len(self._mirrored) > MIRROR_TRACKED_TASKS:
+            self._mirrored.popitem(last=False)
+
+    # -- wakes ----------------------------------------------------------------------------------
 
     def _spawn(self, work: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(work)
@@ -96,7 +196,15 @@ class Signals:
                 await asyncio.sleep(1)
 
     async def close(self) -> None:
+        """Gives the mirror and the wakes in flight a moment to finish, then closes Redis."""
+        mirror = self._mirror_task
+        if mirror is not None and self._mirror_queue is not None:
+            if not mirror.done():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._mirror_queue.join(), CLOSE_TIMEOUT_SECONDS)
+            mirror.cancel()
+            await asyncio.gather(mirror, return_exceptions=True)
         if self._background:
-            await asyncio.wait(self._background, timeout=2)
+            await asyncio.wait(self._background, timeout=CLOSE_TIMEOUT_SECONDS)
         if self.redis is not None:
             await self.redis.aclose()

@@ -1,4 +1,4 @@
-"""Checks on request fields: each raises InvalidArgument naming the field,."""
+"""Checks on request fields: each raises InvalidArgument naming the field."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from service.errors import InvalidArgument
 
 _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 _UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
-_INT64_MAX = 2**63 - 1
 
 
 def required_uuid(field: str, value: str) -> uuid.UUID:
@@ -48,9 +47,18 @@ def in_range(field: str, value: int, low: int, high: int) -> int:
     return value
 
 
+MAX_AMOUNT = 10**17
+"""The most any one amount may be: daily caps, cost estimates, token amounts, in nanos 100 million
+currency units. The database sums them in bigint, whose end is 2^63 - 1 (about 9.2 * 10^18):
+spent + reserved + estimate, over all of a day's tasks. Claims are admitted only while that sum
+stays within a cap, so with caps and estimates at most 10^17 (and each run's cost at most
+MAX_COST_NANOS) the sums stay some 40 times below an overflow; 2^63 - 1 was accepted before, and
+then every claim of its tool failed "bigint out of range"."""
+
+
 def amount(field: str, value: int) -> int:
-    """A non-negative integer amount (tokens or nanos)."""
-    return in_range(field, value, 0, _INT64_MAX)
+    """A non-negative integer amount (tokens or nanos), at most MAX_AMOUNT."""
+    return in_range(field, value, 0, MAX_AMOUNT)
 
 
 def traceparent(field: str, value: str) -> str | None:
@@ -68,10 +76,25 @@ def traceparent(field: str, value: str) -> str | None:
     return value
 
 
+MAX_DEPTH = 20
+"""How deeply a Struct may nest objects and lists, the Struct itself being level 1.
+
+Each level costs protobuf about 3 message levels (Struct -> map entry -> Value -> Struct, or
+ListValue -> Value), and the messages carrying it (a Task in a response) a few more: 20 levels are
+about 65, well within the recursion limit of 100 that protobuf clients decode with by default in
+every language. Deeper documents were stored but could not be read back: a worker lost a claim
+it could not decode."""
+
+
 def struct(field: str, value: struct_pb2.Struct, *, max_bytes: int) -> Jsonb:
-    """A Struct as a jsonb parameter: bounded in size, free of NUL characters; jsonb refuses NUL."""
+    """A Struct as a jsonb parameter: bounded in size and depth, free of NUL characters (jsonb
+    refuses NUL) and of numbers JSON cannot hold."""
     if value.ByteSize() > max_bytes:
         raise InvalidArgument(f"{field} is larger than {max_bytes} bytes", field=field)
+    if _depth_exceeds(value, MAX_DEPTH):
+        raise InvalidArgument(
+            f"{field} nests objects and lists deeper than {MAX_DEPTH} levels", field=field
+        )
     try:
         document = json_format.MessageToDict(value)
     except ValueError:  # NaN and Infinity have no JSON form
@@ -81,6 +104,27 @@ def struct(field: str, value: struct_pb2.Struct, *, max_bytes: int) -> Jsonb:
     if _has_nul(document):
         raise InvalidArgument(f"{field} contains a NUL character", field=field)
     return Jsonb(document)
+
+
+def _depth_exceeds(value: struct_pb2.Struct, most: int) -> bool:
+    """Whether objects and lists nest deeper than `most` levels; iterative, so any depth is safe."""
+    pending: list[tuple[struct_pb2.Struct | struct_pb2.ListValue, int]] = [(value, 1)]
+    while pending:
+        container, depth = pending.pop()
+        if depth > most:
+            return True
+        children = (
+            container.fields.values()
+            if isinstance(container, struct_pb2.Struct)
+            else container.values
+        )
+        for child in children:
+            kind = child.WhichOneof("kind")
+            if kind == "struct_value":
+                pending.append((child.struct_value, depth + 1))
+            elif kind == "list_value":
+                pending.append((child.list_value, depth + 1))
+    return False
 
 
 def _has_nul(value: Any) -> bool:
@@ -97,6 +141,7 @@ MAX_COST_NANOS = 10**15
 """A million currency units for one run: more is a bug, and would overflow the day's counters."""
 
 _TIMESTAMP_RANGE = (0, 253_402_300_799)  # 1970-01-01 .. 9999-12-31
+_NANOS_PER_SECOND = 10**9
 
 
 def cost(field: str, value: int) -> int:
@@ -106,6 +151,14 @@ def cost(field: str, value: int) -> int:
 
 def seconds(field: str, value: duration_pb2.Duration, *, most: float) -> float:
     """A Duration as seconds, between 0 and `most`."""
+    if not -_NANOS_PER_SECOND < value.nanos < _NANOS_PER_SECOND or (
+        value.seconds * value.nanos < 0
+    ):
+        raise InvalidArgument(
+            f"{field} is not a valid Duration: nanos must be within +-999999999"
+            f" and of the same sign as seconds, got seconds={value.seconds} nanos={value.nanos}",
+            field=field,
+        )
     if value.seconds < 0 or value.nanos < 0:
         raise InvalidArgument(f"{field} must not be negative", field=field)
     total = value.seconds + value.nanos / 1e9
@@ -117,6 +170,6 @@ def seconds(field: str, value: duration_pb2.Duration, *, most: float) -> float:
 def timestamp(field: str, value: timestamp_pb2.Timestamp) -> datetime:
     """A Timestamp as an aware datetime, within years 1970 to 9999."""
     low, high = _TIMESTAMP_RANGE
-    if not low <= value.seconds <= high or not 0 <= value.nanos < 10**9:
+    if not low <= value.seconds <= high or not 0 <= value.nanos < _NANOS_PER_SECOND:
         raise InvalidArgument(f"{field} is out of range", field=field)
     return value.ToDatetime(tzinfo=UTC)

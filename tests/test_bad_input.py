@@ -15,11 +15,14 @@ from typing import Any
 import grpc
 import psycopg
 import pytest
-from google.protobuf import struct_pb2
+from google.protobuf import duration_pb2, json_format, struct_pb2
 from google.protobuf.message import Message
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 from generation.task.v1 import task_pb2, task_pb2_grpc
 from service.settings import Settings
+from service.validation import MAX_AMOUNT, MAX_DEPTH
 from workers_sdk.errors import GenqError, Reason, from_rpc_error
 
 Stub = task_pb2_grpc.GenerationDataServiceStub
@@ -81,6 +84,23 @@ def assert_refused(
 ) -> None:
     error = refused(call, request)
     assert (error.code, error.reason) == expected, f"{error.code} {error.reason}: {error}"
+
+
+def assert_invalid_field(call: Callable[..., Any], request: Message, field: str) -> None:
+    """Refused as INVALID_ARGUMENT, the ErrorInfo's `field` metadata and the message naming it."""
+    with pytest.raises(grpc.RpcError) as caught:
+        call(request, timeout=10)
+    error = from_rpc_error(caught.value)
+    assert (error.code, error.reason) == INVALID, f"{error.code} {error.reason}: {error}"
+    status = rpc_status.from_call(caught.value)
+    assert status is not None
+    fields = []
+    for detail in status.details:
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info):
+            fields.append(info.metadata.get("field"))
+    assert fields == [field], f"{fields}: {error}"
+    assert field in str(error)
 
 
 def task_count(db: Db) -> int:
@@ -335,12 +355,170 @@ def test_complete_task_negative_reported_usage(
     [
         pytest.param({"limit": -1}, id="negative-limit"),
         pytest.param({"limit": 10_001}, id="limit-over-10000"),
-        pytest.param({"processing_grace_seconds": -1}, id="negative-grace"),
-        pytest.param({"queued_max_age_seconds": -1}, id="negative-max-age"),
     ],
 )
 def test_list_stale_tasks_out_of_range(stub: Stub, fields: dict[str, int]) -> None:
     assert_refused(stub.ListStaleTasks, task_pb2.ListStaleTasksRequest(**fields), INVALID)
+
+
+# --- values the database cannot hold: money past MAX_AMOUNT, deep Structs, bad Durations ------
+
+# Amounts a bigint column holds but whose sums (spent + reserved + estimate) could overflow it.
+TOO_MUCH = [
+    pytest.param(MAX_AMOUNT + 1, id="max-amount+1"),
+    pytest.param(2**62, id="2^62"),
+    pytest.param(2**63 - 1, id="int64-max"),
+]
+
+
+def tool_row(db: Db, tool_id: str) -> dict[str, Any]:
+    found = db.execute("SELECT * FROM generation.tools WHERE id = %s", [tool_id]).fetchone()
+    assert found is not None
+    return found
+
+
+def settings_row(db: Db) -> dict[str, Any]:
+    """The stored settings, less the spend counters (a rescue may release a reservation)."""
+    found = db.execute("SELECT * FROM generation.settings").fetchone()
+    assert found is not None
+    return {
+        k: v for k, v in found.items() if k not in {"spent_day", "spent_nanos", "reserved_nanos"}
+    }
+
+
+@pytest.mark.parametrize("field", ["cost_estimate_nanos", "reserved_token_amount"])
+@pytest.mark.parametrize("amount", TOO_MUCH)
+def test_queue_task_amount_too_large(stub: Stub, no_new_task: str, field: str, amount: int) -> None:
+    request = queue_request(no_new_task, **{field: amount})
+    assert_invalid_field(stub.QueueTask, request, field)
+
+
+def test_queue_task_amount_at_the_bound_is_accepted(stub: Stub, db: Db, tool_id: str) -> None:
+    """The control for the case above: MAX_AMOUNT itself is stored."""
+    request = queue_request(
+        tool_id, cost_estimate_nanos=MAX_AMOUNT, reserved_token_amount=MAX_AMOUNT
+    )
+    stored = row(db, stub.QueueTask(request).task.id)
+    assert (stored["cost_estimate_nanos"], stored["reserved_token_amount"]) == (
+        MAX_AMOUNT,
+        MAX_AMOUNT,
+    )
+
+
+@pytest.mark.parametrize("field", ["cost_estimate_nanos", "daily_cap_nanos"])
+@pytest.mark.parametrize("amount", TOO_MUCH)
+def test_configure_tool_amount_too_large(
+    stub: Stub, db: Db, tool_id: str, field: str, amount: int
+) -> None:
+    before = tool_row(db, tool_id)
+    request = task_pb2.ConfigureToolRequest(tool_id=tool_id, **{field: amount})
+    assert_invalid_field(stub.ConfigureTool, request, field)
+    assert tool_row(db, tool_id) == before
+
+
+@pytest.mark.parametrize("amount", TOO_MUCH)
+def test_update_settings_daily_cap_too_large(stub: Stub, db: Db, amount: int) -> None:
+    before = settings_row(db)
+    request = task_pb2.UpdateSettingsRequest(daily_cap_nanos=amount)
+    assert_invalid_field(stub.UpdateSettings, request, "daily_cap_nanos")
+    assert settings_row(db) == before
+
+
+@pytest.mark.parametrize("amount", TOO_MUCH)
+def test_complete_task_token_amount_too_large(stub: Stub, unchanged: Claimed, amount: int) -> None:
+    request = task_pb2.CompleteTaskRequest(
+        task_id=unchanged.task_id,
+        lease_token=unchanged.lease_token,
+        reported_usage=task_pb2.ReportedUsage(token_amount=amount),
+    )
+    assert_invalid_field(stub.CompleteTask, request, "reported_usage.token_amount")
+
+
+def nested(depth: int, *, lists: bool = False) -> dict[str, Any]:
+    """A document `depth` levels deep, the outer object being level 1; with `lists`, every other
+    level is a one-element list (lists count as levels too)."""
+    document: Any = {"leaf": 1}
+    for level in range(depth - 1, 0, -1):
+        document = [document] if lists and level % 2 == 0 else {"a": document}
+    assert isinstance(document, dict)
+    return document
+
+
+TOO_DEEP = [
+    pytest.param(nested(MAX_DEPTH + 1), id="max-depth+1"),
+    pytest.param(nested(MAX_DEPTH + 1, lists=True), id="max-depth+1-with-lists"),
+    pytest.param(nested(33), id="33"),
+]
+
+
+@pytest.mark.parametrize("document", TOO_DEEP)
+def test_queue_task_input_too_deep(stub: Stub, no_new_task: str, document: dict[str, Any]) -> None:
+    request = task_pb2.QueueTaskRequest(tool_id=no_new_task, input=struct(document))
+    assert_invalid_field(stub.QueueTask, request, "input")
+
+
+@pytest.mark.parametrize("document", TOO_DEEP)
+def test_complete_task_output_too_deep(
+    stub: Stub, unchanged: Claimed, document: dict[str, Any]
+) -> None:
+    request = task_pb2.CompleteTaskRequest(
+        task_id=unchanged.task_id, lease_token=unchanged.lease_token, output=struct(document)
+    )
+    assert_invalid_field(stub.CompleteTask, request, "output")
+
+
+@pytest.mark.parametrize(
+    "document",
+    [
+        pytest.param(nested(15), id="15"),
+        pytest.param(nested(MAX_DEPTH), id="max-depth"),
+        pytest.param(nested(MAX_DEPTH, lists=True), id="max-depth-with-lists"),
+    ],
+)
+def test_queue_task_input_as_deep_as_allowed_is_readable(
+    stub: Stub, db: Db, tool_id: str, document: dict[str, Any]
+) -> None:
+    """The control for the cases above: stored, and read back whole by GetTask and a claim."""
+    task = stub.QueueTask(task_pb2.QueueTaskRequest(tool_id=tool_id, input=struct(document))).task
+    assert row(db, task.id)["input"] == document
+    fetched = stub.GetTask(task_pb2.GetTaskRequest(task_id=task.id)).task
+    assert json_format.MessageToDict(fetched.input) == document
+    claimed = stub.ClaimNextTask(task_pb2.ClaimNextTaskRequest(tool_id=tool_id)).task
+    assert claimed.id == task.id
+    assert json_format.MessageToDict(claimed.input) == document
+
+
+MALFORMED_DURATIONS = [
+    pytest.param(duration_pb2.Duration(nanos=10**9), id="nanos-1e9"),
+    pytest.param(duration_pb2.Duration(seconds=1, nanos=2**31 - 1), id="nanos-int32-max"),
+    pytest.param(duration_pb2.Duration(nanos=-1), id="nanos-minus-1"),
+    pytest.param(duration_pb2.Duration(seconds=1, nanos=-1), id="opposite-signs"),
+    pytest.param(duration_pb2.Duration(seconds=-1, nanos=1), id="negative-opposite-signs"),
+]
+
+
+@pytest.mark.parametrize("ttl", MALFORMED_DURATIONS)
+def test_queue_task_malformed_ttl(stub: Stub, no_new_task: str, ttl: duration_pb2.Duration) -> None:
+    assert_invalid_field(stub.QueueTask, queue_request(no_new_task, ttl=ttl), "ttl")
+
+
+def test_queue_task_ttl_with_most_nanos_is_accepted(stub: Stub, db: Db, tool_id: str) -> None:
+    """The control for the cases above: 999999999 nanos is valid, rounded up to a whole second."""
+    ttl = duration_pb2.Duration(seconds=3600, nanos=999_999_999)
+    stored = row(db, stub.QueueTask(queue_request(tool_id, ttl=ttl)).task.id)
+    assert (stored["expires_at"] - stored["run_at"]).total_seconds() == 3601
+
+
+@pytest.mark.parametrize("wait", MALFORMED_DURATIONS)
+def test_claim_next_task_malformed_wait(
+    stub: Stub, db: Db, tool_id: str, wait: duration_pb2.Duration
+) -> None:
+    stub.QueueTask(queue_request(tool_id))
+    before = tasks_of(db, tool_id)
+    request = task_pb2.ClaimNextTaskRequest(tool_id=tool_id, wait=wait)
+    assert_invalid_field(stub.ClaimNextTask, request, "wait")
+    assert tasks_of(db, tool_id) == before
+    assert [task["status"] for task in before] == ["queued"]
 
 
 # --- text: NUL characters, lengths, traceparents ---------------------------------------------

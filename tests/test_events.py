@@ -4,17 +4,24 @@ follows to the terminal event; with Redis, the stream is also kept as a Redis St
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
+import uuid
+from collections.abc import Callable
 from typing import Any
 
 import grpc
 import pytest
 import redis
+import redis.asyncio as aioredis
 
 from generation.task.v1 import task_pb2
+from service.settings import Settings
+from service.signals import TERMINAL_EVENTS, Signals
 from tests.conftest import REDIS_URL, ServiceProcess, wait_for
 from tests.test_semantics import Db, Stub, claim, queue, row
+from workers_sdk.client import GenqClient
 from workers_sdk.errors import Reason, from_rpc_error
 
 K = task_pb2.TaskEventKind
@@ -152,3 +159,119 @@ def test_events_are_kept_as_a_redis_stream(
     assert [fields["kind"] for _, fields in entries] == ["progress", "completed"]
     assert json.loads(entries[0][1]["data"]) == {"progress": 0.25}
     assert client.ttl(stream) > 0, "a finished task's stream expires"
+
+
+def stream_holds(
+    client: redis.Redis, stream: str, count: int
+) -> Callable[[], list[dict[str, str]] | None]:
+    """A wait_for condition: the stream's entries' fields once it holds `count` of them."""
+
+    def check() -> list[dict[str, str]] | None:
+        found = [fields for _, fields in client.xrange(stream)]
+        return found if len(found) >= count else None
+
+    return check
+
+
+def test_many_events_per_task_reach_the_redis_stream_in_sequence_order(
+    redis_service: ServiceProcess, redis_environment: str, db: Db, tool_id: str
+) -> None:
+    """Workers publishing as fast as the service answers, many tasks at once: each task's Redis
+    Stream holds its events in sequence order, exactly those in Postgres, the terminal last."""
+    tasks, events_per_task = 30, 25
+
+    async def work(client: GenqClient) -> str:
+        claimed = await client.call("ClaimNextTask", task_pb2.ClaimNextTaskRequest(tool_id=tool_id))
+        assert claimed.HasField("task")
+        for i in range(events_per_task):
+            await client.call(
+                "PublishTaskEvent",
+                task_pb2.PublishTaskEventRequest(
+                    task_id=claimed.task.id,
+                    lease_token=claimed.lease_token,
+                    kind=K.TASK_EVENT_KIND_PROGRESS,
+                    data={"progress": i / events_per_task},
+                ),
+            )
+        await client.call(
+            "CompleteTask",
+            task_pb2.CompleteTaskRequest(task_id=claimed.task.id, lease_token=claimed.lease_token),
+        )
+        return str(claimed.task.id)
+
+    async def main() -> list[str]:
+        async with GenqClient(redis_service.address) as client:
+            for _ in range(tasks):
+                await client.call("QueueTask", task_pb2.QueueTaskRequest(tool_id=tool_id))
+            return list(await asyncio.gather(*(work(client) for _ in range(tasks))))
+
+    task_ids = asyncio.run(main())
+    client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    for task_id in task_ids:
+        stored = db.execute(
+            "SELECT sequence, kind::text FROM generation.task_events "
+            "WHERE task_id = %s ORDER BY sequence",
+            [task_id],
+        ).fetchall()
+        assert len(stored) >= events_per_task + 1
+        stream = f"{redis_environment}:common:task:{task_id}:events"
+        entries = wait_for(
+            stream_holds(client, stream, len(stored)),
+            what=f"task {task_id}'s events in its Redis Stream",
+        )
+        assert [(int(e["sequence"]), e["kind"]) for e in entries] == [
+            (r["sequence"], r["kind"]) for r in stored
+        ], "in sequence order, none missing, none twice"
+        assert entries[-1]["kind"] == "completed"
+        assert client.ttl(stream) > 0, "a finished task's stream expires"
+
+
+def test_the_mirror_orders_events_added_out_of_order_and_drops_late_ones() -> None:
+    """signals.py alone: events whose answers came back swapped within one turn of the loop are
+    still written in sequence order; one arriving after a later one was written is dropped
+    rather than written out of order."""
+    environment = f"test{uuid.uuid4().hex[:8]}"
+    tasks = [str(uuid.uuid4()) for _ in range(12)]
+    per_task = 30
+
+    def event(task_id: str, sequence: int) -> dict[str, Any]:
+        kind = "completed" if sequence == per_task else "progress"
+        return {
+            "task_id": task_id,
+            "sequence": sequence,
+            "kind": kind,
+            "data": {} if kind in TERMINAL_EVENTS else {"progress": sequence / per_task},
+            "created_at": "2030-01-01T00:00:00+00:00",
+        }
+
+    async def main() -> list[list[dict[str, Any]]]:
+        signals = Signals(Settings(redis_url=REDIS_URL, environment=environment))
+        reader = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
+        try:
+            for sequence in range(1, per_task + 1, 2):
+                # Two answers of each task processed in the wrong order, in one turn.
+                for task_id in tasks:
+                    signals.event_added(event(task_id, sequence + 1))
+                    signals.event_added(event(task_id, sequence))
+                await asyncio.sleep(0.001)
+            streams = [signals.events_stream(t) for t in tasks]
+
+            async def all_written() -> bool:
+                lengths = [await reader.xlen(s) for s in streams]
+                return lengths == [per_task] * len(tasks)
+
+            for _ in range(500):
+                if await all_written():
+                    break
+                await asyncio.sleep(0.01)
+            signals.event_added(event(tasks[0], 3))  # late: 30 is written already
+            await signals.close()
+            return [[f for _, f in await reader.xrange(s)] for s in streams]
+        finally:
+            async for key in reader.scan_iter(f"{environment}:*"):
+                await reader.delete(key)
+            await reader.aclose()
+
+    for entries in asyncio.run(main()):
+        assert [int(e["sequence"]) for e in entries] == list(range(1, per_task + 1))
+        assert entries[-1]["kind"] == "completed"

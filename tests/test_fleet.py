@@ -7,16 +7,20 @@ thread enqueues over gRPC and checks rows in SQL. Handlers record what they saw.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import logging
 import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
+import grpc
 import pytest
+from google.protobuf import duration_pb2
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -28,11 +32,16 @@ from tests.test_semantics import Db, Stub, row
 from workers_sdk import (
     AccountError,
     CancelledError,
+    GenqClient,
+    GenqError,
+    LeaseLost,
     PermanentError,
+    Reason,
     RetryableError,
     TaskContext,
     WorkerFleet,
 )
+from workers_sdk import fleet as fleet_module
 
 
 @contextmanager
@@ -274,10 +283,10 @@ def test_concurrency_lanes_are_respected_per_tool(service: ServiceProcess, db: D
     assert all(row(db, t)["status"] == "completed" for t in tasks)
     assert dict(peak) == {**lanes, sync_tool: sync_lane}
     for task_id in tasks[-8:]:
-        assert events(db, task_id)[0] == {
-            "kind": "progress",
-            "data": {"progress": 1.0, "message": "from a thread"},
-        }
+        assert events(db, task_id)[:2] == [
+            {"kind": "started", "data": {"attempt": 1}},
+            {"kind": "progress", "data": {"progress": 1.0, "message": "from a thread"}},
+        ]
 
 
 def test_events_are_visible_through_watch(service: ServiceProcess, db: Db) -> None:
@@ -301,6 +310,7 @@ def test_events_are_visible_through_watch(service: ServiceProcess, db: Db) -> No
             )
         ]
     assert [(event.kind, dict(event.data)) for event in watched] == [
+        (task_pb2.TASK_EVENT_KIND_STARTED, {"attempt": 1.0}),
         (task_pb2.TASK_EVENT_KIND_PROGRESS, {"progress": 0.5, "message": "half way"}),
         (task_pb2.TASK_EVENT_KIND_STREAMING_URL, {"url": "https://preview.example.invalid/1"}),
         (task_pb2.TASK_EVENT_KIND_PARTIAL_OUTPUT, {"frames": 12}),
@@ -344,7 +354,7 @@ def test_lost_lease_is_signalled_and_the_result_dropped(
         held = row(db, task_id)
     assert seen == [True]
     assert (held["status"], held["output"], held["error"]) == ("processing", None, None)
-    assert events(db, task_id) == []
+    assert events(db, task_id) == [{"kind": "started", "data": {"attempt": 1}}]
 
 
 def test_process_span_continues_the_enqueued_trace(service: ServiceProcess, db: Db) -> None:
@@ -386,3 +396,332 @@ def test_process_span_continues_the_enqueued_trace(service: ServiceProcess, db: 
     assert [link.context for link in process.links] == [
         c.context for c in claims if c.attributes and c.attributes.get("genq.claimed")
     ]
+
+
+# -- leases, confirmation and cancel against the real service -----------------------------------
+
+
+def attempts(db: Db, task_id: str) -> list[dict[str, Any]]:
+    return db.execute(
+        "SELECT attempt, outcome::text, cost_nanos FROM generation.attempts "
+        "WHERE task_id = %s ORDER BY attempt",
+        [task_id],
+    ).fetchall()
+
+
+def test_heartbeats_follow_a_short_lease(service: ServiceProcess, db: Db) -> None:
+    """A tool with 10 s leases and a handler running 25 s: the fleet (heartbeat_interval left
+    at 60 s) beats every third of the lease, so the run completes on its first attempt."""
+    name = tool_name()
+    fleet = new_fleet(service)
+    lost: list[bool] = []
+
+    @fleet.tool(name)
+    async def slow(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
+        await asyncio.sleep(25)
+        lost.append(ctx.is_lease_lost)
+        return {"slept": 25}
+
+    with running(fleet):
+        tool_id = fleet.tool_ids[name]
+        service.stub.ConfigureTool(task_pb2.ConfigureToolRequest(tool_id=tool_id, lease_seconds=10))
+        task_id = queue(service.stub, tool_id)
+        wait_for(lambda: terminal(db, task_id), timeout=45, what="the slow task to complete")
+    done = row(db, task_id)
+    assert (done["status"], done["output"], lost) == ("completed", {"slept": 25}, [False])
+    assert (done["attempt_count"], done["retry_count"]) == (1, 0)
+    assert [a["outcome"] for a in attempts(db, task_id)] == ["completed"]
+
+
+def test_a_claim_is_confirmed_before_the_handler_runs(service: ServiceProcess, db: Db) -> None:
+    """The claim set the lease to exactly its length past the claim; by the time the handler
+    runs, the confirming heartbeat has extended it."""
+    name = tool_name()
+    fleet = new_fleet(service)
+    seen: list[dict[str, Any]] = []
+
+    @fleet.tool(name)
+    async def handler(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
+        seen.append(await asyncio.to_thread(row, db, task.id))
+        return {}
+
+    with running(fleet):
+        tool_id = fleet.tool_ids[name]
+        service.stub.ConfigureTool(task_pb2.ConfigureToolRequest(tool_id=tool_id, lease_seconds=10))
+        task_id = queue(service.stub, tool_id)
+        wait_for(lambda: terminal(db, task_id), what="the task to complete")
+    [held] = seen
+    lease = (held["claim_expires_at"] - held["started_at"]).total_seconds()
+    assert lease > 10, "a heartbeat extended the lease before the handler started"
+    assert held["unconfirmed_claims"] == 0
+    assert row(db, task_id)["status"] == "completed"
+
+
+@pytest.mark.parametrize("handler_kind", ["async", "sync"])
+def test_a_cancelled_running_task_stops_and_its_cost_is_recorded(
+    service: ServiceProcess, db: Db, caplog: pytest.LogCaptureFixture, handler_kind: str
+) -> None:
+    """CancelTask of a running task is a request: the next heartbeat brings it to the handler
+    (ctx.cancel_requested; an async handler is cancelled), the fleet reports the cancel with the
+    cost reported so far, and the task ends cancelled with that cost on its attempt."""
+    name = tool_name()
+    fleet = new_fleet(service, heartbeat_interval=0.3)
+    started = threading.Event()
+    seen: list[str] = []
+
+    async def async_handler(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
+        ctx.report_usage(cost_nanos=5_000)
+        started.set()
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            seen.append(f"cancelled, requested={ctx.is_cancel_requested}")
+            raise
+        return {"not": "reached"}
+
+    def sync_handler(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
+        ctx.report_usage(cost_nanos=5_000)
+        started.set()
+        deadline = time.monotonic() + 60
+        while not ctx.is_cancel_requested and time.monotonic() < deadline:
+            time.sleep(0.02)
+        seen.append(f"returned, requested={ctx.is_cancel_requested}")
+        return {"dropped": True}
+
+    fleet.register(name, async_handler if handler_kind == "async" else sync_handler)
+    caplog.set_level(logging.INFO, logger="workers_sdk.fleet")
+    with running(fleet):
+        task_id = queue(service.stub, fleet.tool_ids[name])
+        wait_for(started.is_set, what="the handler to start")
+        asked = service.stub.CancelTask(task_pb2.CancelTaskRequest(task_id=task_id)).task
+        assert asked.status == task_pb2.TASK_STATUS_PROCESSING
+        assert asked.HasField("cancel_requested_at")
+        wait_for(lambda: terminal(db, task_id), what="the task to end cancelled")
+        wait_for(lambda: fleet.in_flight[name] == 0, what="the fleet to let the task go")
+    ended = row(db, task_id)
+    assert (ended["status"], ended["output"]) == ("cancelled", None)
+    assert seen == [
+        "cancelled, requested=True" if handler_kind == "async" else "returned, requested=True"
+    ]
+    assert [(a["outcome"], a["cost_nanos"]) for a in attempts(db, task_id)] == [
+        ("cancelled", 5_000)
+    ]
+    kinds = [e["kind"] for e in events(db, task_id)]
+    assert kinds == ["started", "cancel_requested", "cancelled"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "workers_sdk.fleet"]
+    assert f"task {task_id}: cancelled while running; cost recorded" in messages
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+# -- the same against a scripted client (no service): what the fleet sends, in what order ----
+
+
+Beat = Callable[[int], task_pb2.HeartbeatTaskResponse]
+"""The scripted answer to the n-th HeartbeatTask (from 1); raises to answer an error."""
+
+
+def lease(seconds: float) -> duration_pb2.Duration:
+    duration = duration_pb2.Duration()
+    duration.FromNanoseconds(int(seconds * 1e9))
+    return duration
+
+
+class ScriptedClient:
+    """Stands in for GenqClient: one claimable task, heartbeats answered by `beat`, and a log
+    of every call (and of the handler's start) in order."""
+
+    def __init__(self, beat: Beat, *, claim_lease: float | None = 30.0) -> None:
+        self.target = "scripted"
+        self.timeout = 10.0
+        self.beat = beat
+        self.claim_lease = claim_lease
+        self.log: list[str] = []
+        self.requests: list[Any] = []
+        self.beats = 0
+        self.claimed = False
+
+    async def call(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
+        self.log.append(method)
+        self.requests.append(request)
+        if method == "UpsertTool":
+            return task_pb2.UpsertToolResponse(tool=task_pb2.Tool(id="tool-1", name=request.name))
+        if method == "ClaimNextTask":
+            if self.claimed:
+                await asyncio.sleep(0.02)
+                return task_pb2.ClaimNextTaskResponse(idle_reason=task_pb2.IDLE_REASON_EMPTY)
+            self.claimed = True
+            response = task_pb2.ClaimNextTaskResponse(
+                task=task_pb2.Task(id="task-1", tool_id="tool-1"), lease_token="token-1"
+            )
+            if self.claim_lease is not None:
+                response.lease.CopyFrom(lease(self.claim_lease))
+            return response
+        if method == "HeartbeatTask":
+            self.beats += 1
+            return self.beat(self.beats)
+        if method in {"CompleteTask", "FailTask", "ReleaseTask"}:
+            answer = getattr(task_pb2, f"{method}Response")
+            return answer(task=task_pb2.Task(id="task-1", status=task_pb2.TASK_STATUS_COMPLETED))
+        raise AssertionError(f"unexpected call {method}")
+
+    async def close(self) -> None:
+        pass
+
+
+def run_scripted(
+    client: ScriptedClient, until: Callable[[], bool], handler: Any = None, **settings: Any
+) -> list[str]:
+    """Runs a fleet over the scripted client until `until()`, then drains it; returns the log
+    without the claims."""
+    fleet = WorkerFleet(cast(GenqClient, client), poll_interval=0.05, drain_timeout=1, **settings)
+
+    async def default(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
+        client.log.append("handler")
+        return {}
+
+    fleet.register("scripted", handler or default)
+
+    async def main() -> None:
+        work = asyncio.create_task(fleet.run(handle_signals=False))
+        deadline = time.monotonic() + 10
+        while not until():
+            assert time.monotonic() < deadline, client.log
+            assert not work.done(), work
+            await asyncio.sleep(0.01)
+        fleet.stop()
+        await asyncio.wait_for(work, 10)
+
+    asyncio.run(main())
+    return [entry for entry in client.log if entry != "ClaimNextTask"]
+
+
+def ok(lease_seconds: float = 30.0, cancel: bool = False) -> Beat:
+    return lambda n: task_pb2.HeartbeatTaskResponse(
+        lease=lease(lease_seconds), cancel_requested=cancel
+    )
+
+
+def unavailable() -> GenqError:
+    return GenqError(grpc.StatusCode.UNAVAILABLE, "connection refused", None)
+
+
+def test_scripted_the_claim_is_confirmed_before_the_handler() -> None:
+    client = ScriptedClient(ok())
+    log = run_scripted(client, lambda: "CompleteTask" in client.log)
+    assert log == ["UpsertTool", "HeartbeatTask", "handler", "CompleteTask"]
+
+
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        LeaseLost(grpc.StatusCode.ABORTED, "lease lost", Reason.LEASE_LOST),
+        GenqError(grpc.StatusCode.NOT_FOUND, "no such task", Reason.TASK_NOT_FOUND),
+    ],
+    ids=["lease-lost", "not-found"],
+)
+def test_scripted_a_refused_confirmation_does_not_run_the_handler(refusal: GenqError) -> None:
+    def beat(n: int) -> task_pb2.HeartbeatTaskResponse:
+        raise refusal
+
+    client = ScriptedClient(beat)
+    # Several claims after the refused one: the run is over by then.
+    log = run_scripted(client, lambda: client.beats >= 1 and client.log.count("ClaimNextTask") > 3)
+    assert log == ["UpsertTool", "HeartbeatTask"], "not run, nothing reported"
+
+
+def test_scripted_an_unavailable_confirmation_is_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fleet_module, "CONFIRM_RETRY_SECONDS", 0.05)
+
+    def beat(n: int) -> task_pb2.HeartbeatTaskResponse:
+        if n <= 2:
+            raise unavailable()
+        return ok()(n)
+
+    client = ScriptedClient(beat)
+    log = run_scripted(client, lambda: "CompleteTask" in client.log)
+    assert log == ["UpsertTool", *["HeartbeatTask"] * 3, "handler", "CompleteTask"]
+
+
+def test_scripted_a_claim_that_cannot_be_confirmed_is_not_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(fleet_module, "CONFIRM_RETRY_SECONDS", 0.05)
+    attempts_allowed = fleet_module.CONFIRM_ATTEMPTS
+
+    def beat(n: int) -> task_pb2.HeartbeatTaskResponse:
+        raise unavailable()
+
+    client = ScriptedClient(beat)
+    log = run_scripted(
+        client,
+        lambda: client.beats >= attempts_allowed and client.log.count("ClaimNextTask") > 10,
+    )
+    assert log == ["UpsertTool", *["HeartbeatTask"] * attempts_allowed]
+
+
+def test_scripted_heartbeats_follow_the_lease() -> None:
+    """The claim says 0.6 s, every beat 0.3 s: though heartbeat_interval is 60 s, the fleet
+    beats every 0.1 s once the confirmation answered."""
+    client = ScriptedClient(ok(0.3), claim_lease=0.6)
+    beats_at: list[float] = []
+
+    async def handler(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
+        started, count = time.monotonic(), client.beats
+        while time.monotonic() - started < 1.0:
+            if client.beats != count:
+                count = client.beats
+                beats_at.append(time.monotonic() - started)
+            await asyncio.sleep(0.005)
+        return {}
+
+    run_scripted(client, lambda: "CompleteTask" in client.log, handler, heartbeat_interval=60)
+    assert 7 <= len(beats_at) <= 11, beats_at
+    gaps = [b - a for a, b in itertools.pairwise(beats_at)]
+    assert all(0.05 < gap < 0.2 for gap in gaps), gaps
+
+
+def test_scripted_without_a_lease_the_beat_is_heartbeat_interval() -> None:
+    """An older service answers no lease: the beat stays at heartbeat_interval."""
+    client = ScriptedClient(lambda n: task_pb2.HeartbeatTaskResponse(), claim_lease=None)
+
+    async def handler(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
+        await asyncio.sleep(0.5)
+        return {}
+
+    log = run_scripted(
+        client, lambda: "CompleteTask" in client.log, handler, heartbeat_interval=0.2
+    )
+    assert log.count("HeartbeatTask") == 3  # the confirmation, then at 0.2 s and 0.4 s
+
+
+def test_scripted_a_cancel_request_cancels_the_handler_and_reports_its_cost() -> None:
+    client = ScriptedClient(lambda n: ok(0.6, cancel=n >= 2)(n), claim_lease=0.6)
+    seen: list[bool] = []
+
+    async def handler(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
+        ctx.report_usage(cost_nanos=777, token_amount=3)
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            seen.append(ctx.is_cancel_requested)
+            raise
+        return {}
+
+    log = run_scripted(client, lambda: "FailTask" in client.log, handler)
+    assert seen == [True]
+    assert log == ["UpsertTool", "HeartbeatTask", "HeartbeatTask", "FailTask"]
+    [report] = [r for r in client.requests if isinstance(r, task_pb2.FailTaskRequest)]
+    assert report.failure == task_pb2.FAILURE_KIND_CANCELLED
+    assert (report.error, report.lease_token) == ("cancelled", "token-1")
+    assert (report.reported_usage.cost_nanos, report.reported_usage.token_amount) == (777, 3)
+
+
+def test_scripted_a_cancel_before_the_start_runs_nothing() -> None:
+    client = ScriptedClient(ok(cancel=True))
+    log = run_scripted(client, lambda: "FailTask" in client.log)
+    assert log == ["UpsertTool", "HeartbeatTask", "FailTask"]
+    [report] = [r for r in client.requests if isinstance(r, task_pb2.FailTaskRequest)]
+    assert (report.failure, report.reported_usage.cost_nanos) == (
+        task_pb2.FAILURE_KIND_CANCELLED,
+        0,
+    )

@@ -10,6 +10,7 @@ test's own tool or task ids.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import signal
 import subprocess
@@ -192,6 +193,51 @@ def test_a_sweep_fails_each_stale_population_once_and_leaves_live_tasks_alone(
     }
     assert first.failed >= len(stale) and first.errors == 0 and first.hook_errors == 0
     assert second.errors == 0
+
+
+def test_what_stale_means_is_the_services_settings(
+    service: ServiceProcess, db: Db, tool_id: str
+) -> None:
+    """The reconciler sends no thresholds: the service's settings (UpdateSettings) decide, for
+    the list and for the forced fail alike."""
+    assert not {"processing_grace_seconds", "queued_max_age_seconds"} & set(
+        inspect.signature(Reconciler).parameters
+    )
+    zombie = add_row(
+        db,
+        tool_id,
+        status="processing",
+        retry_count=3,
+        max_retries=3,
+        lease_token=DEAD_LEASE,
+        started_at=ago(db, 3600),
+        claim_expires_at=ago(db, 60),
+    )
+    queued = add_row(db, tool_id, status="queued", created_at=ago(db, 400))
+    hooks = Recorder(tool_id)
+
+    async def sweep(client: GenqClient) -> SweepSummary:
+        return await Reconciler(client, on_failed=hooks.on_failed).sweep()
+
+    def thresholds(grace: int, max_age: int) -> None:
+        service.stub.UpdateSettings(
+            task_pb2.UpdateSettingsRequest(
+                processing_grace_seconds=grace, queued_max_age_seconds=max_age
+            )
+        )
+
+    run(service, sweep)  # the defaults (120 s, 900 s): both are alive
+    assert hooks.failed == []
+    thresholds(30, 300)
+    try:
+        run(service, sweep)
+    finally:
+        thresholds(120, 900)
+    assert sorted(t.id for t in hooks.failed) == sorted([zombie, queued])
+    assert (row(db, zombie)["error"], row(db, queued)["error"]) == (
+        "reaped: dead_zombie",
+        "reaped: abandoned",
+    )
 
 
 def test_a_task_that_comes_alive_before_its_forced_fail_is_skipped(

@@ -293,6 +293,6 @@ def test_example_worker_renders_and_drains(
         "details": {"model": "stand-in-diffusion"},
     }
     kinds = [event["kind"] for event in events(sdb, task_id)]
-    assert kinds == ["streaming_url"] + ["progress"] * 5 + ["completed"]
+    assert kinds == ["started", "streaming_url"] + ["progress"] * 5 + ["completed"]
     worker.send(signal.SIGTERM)
     assert worker.wait(15) == 0, worker.output()

@@ -19,11 +19,37 @@ or empty when the wait runs out (the polling floor). At concurrency capacity the
 0.25 s (sooner if a slot frees). The fleet's own wake event says "a slot freed or stop was
 requested"; it is cleared before each sweep, so one set during the sweep is not lost.
 
-Leases. Every `heartbeat_interval` (60 s; the service's lease is 120 s, so one missed beat is
-tolerated) a background task extends the lease. When the service says the lease is gone
+Leases. A claim answers the lease's length (`lease`: the tool's `lease_seconds`, else the
+service's GENQ_LEASE_SECONDS, never under 10 s), and so does every heartbeat. A background task
+extends the lease every min(`heartbeat_interval`, lease / 3), reckoned from the lease the last
+answer gave: two beats in a row may fail before the lease lapses, and a tool with a short lease
+is beaten often enough without tuning the fleet (an answer without `lease`, from an older
+service, leaves the beat at `heartbeat_interval`). When the service says the lease is gone
 (ABORTED, LEASE_LOST, from a heartbeat or an event publish), `ctx.lease_lost` is set: the
 handler may stop early, and whatever it returns or raises is dropped. Another worker owns the
 task now; any write from here would be refused anyway.
+
+Confirmation. The service counts a claim as a run only once its worker confirms it (the first
+heartbeat, event or report under the lease): a lease that lapses unconfirmed means the claim's
+answer never reached a worker (a deadline, a dropped connection) and costs the task no retry,
+while a confirmed run that ends without success (the worker crashed, the lease lapsed) costs
+one. So right after a claim arrives, before the handler starts, the fleet sends one
+HeartbeatTask. OK: the handler runs. LEASE_LOST or NOT_FOUND: the task is not this worker's (or
+gone); it does not run. UNAVAILABLE or a deadline: tried again a couple of times within the
+first two thirds of the lease (a heartbeat is idempotent); still nothing, and it does not run:
+the lease lapses unconfirmed, costing nothing. One beat per claim is the whole price, and it is
+what lets the service tell the two apart: a poison task that crashes its worker mid-handler was
+confirmed each time, so `max_retries` bounds its runs, and a claim answer lost on the way is
+never charged as a run.
+
+Cancel. Cancelling a running task asks its worker to stop: the next heartbeat answers
+`cancel_requested`. The fleet then sets `ctx.cancel_requested` and cancels an async handler's
+asyncio task (a sync handler cannot be interrupted: it checks `ctx.is_cancel_requested` and
+returns early, while the fleet keeps the lease), and reports FailTask with
+FAILURE_KIND_CANCELLED and the cost the handler reported so far (`ctx.report_usage`): billed is
+billed. What the handler returned or raised is dropped; the run ends cancelled whatever is
+reported, and a report answered with a CANCELLED task (a cancel that arrived after the last
+beat) is logged at INFO, not as an error.
 
 Outcomes: see `workers_sdk.outcomes`. A handler's unexpected exception fails the task at once
 (`retry_unknown_errors=False`) and stores only the exception's class name: spec B calls it a bug
@@ -34,13 +60,13 @@ Drain (SIGTERM/SIGINT or `stop()`): stop claiming, let tasks in flight finish wi
 `drain_timeout` (30 s), then cancel the handlers still running and hand their tasks back with
 ReleaseTask, which requeues a task at once without using an attempt (GUIDE B2: a deliberate stop
 never consumes one). The alternatives are worse: FailTask(increment_retry=true) uses an attempt
-and ends a task on its last attempt `failed`; letting the lease lapse also uses an attempt (at
-the reclaim) and keeps the task waiting a whole lease. That lapse is still the fallback when the
-release itself fails (the service unreachable, or an older one without the RPC): the task is
-late and one attempt poorer, never lost. Claims parked in the service when the drain starts are
-awaited, not cancelled: the service may already have claimed a task for this worker, and a lost
-answer would strand that task until its lease lapsed. A task such a claim brings is worked like
-the others.
+and ends a task on its last attempt `failed`; letting the lease lapse also uses an attempt (the
+run was confirmed) and keeps the task waiting a whole lease. That lapse is still the fallback
+when the release itself fails (the service unreachable, or an older one without the RPC): the
+task is late and one attempt poorer, never lost. Claims parked in the service when the drain
+starts are awaited, not cancelled: the service may already have claimed a task for this worker,
+and a lost answer would strand that task until its lease lapsed. A task such a claim brings is
+confirmed and worked like the others.
 """
 
 from __future__ import annotations
@@ -86,6 +112,18 @@ MAX_CLAIM_WAIT_SECONDS = 30.0
 REPORT_ATTEMPTS = 4
 """Tries of a CompleteTask/FailTask that answers UNAVAILABLE (the only code clients retry)."""
 
+MIN_LEASE_SECONDS = 10.0
+"""The shortest lease the service grants; assumed when a claim's answer does not say."""
+
+CONFIRM_ATTEMPTS = 3
+"""Tries of the HeartbeatTask that confirms a claim, when it answers UNAVAILABLE or times out."""
+
+CONFIRM_RETRY_SECONDS = 0.5
+"""Pause before the second try of a confirmation; doubled before the third."""
+
+CONFIRM_RETRIED_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+"""A confirmation answered so may not have reached the service: try again (a beat is idempotent)."""
+
 
 class TaskContext:
     """What a handler gets beside its task: the lease, event publishing, and usage reporting.
@@ -108,6 +146,9 @@ class TaskContext:
         self.lease_token = lease_token
         self.lease_lost = asyncio.Event()
         """Set when the service says this worker no longer holds the task."""
+        self.cancel_requested = asyncio.Event()
+        """Set when a cancel of the task was asked for: stop; the run ends cancelled, and what
+        it cost so far (`report_usage`) is recorded. An async handler is cancelled right after."""
         self._client = client
         self._loop = loop
         self._token_amount = 0
@@ -117,6 +158,10 @@ class TaskContext:
     @property
     def is_lease_lost(self) -> bool:
         return self.lease_lost.is_set()
+
+    @property
+    def is_cancel_requested(self) -> bool:
+        return self.cancel_requested.is_set()
 
     @functools.cached_property
     def input(self) -> dict[str, Any]:
@@ -168,6 +213,14 @@ class TaskContext:
             token_amount=self._token_amount, cost_nanos=self._cost_nanos, details=self._details
         )
 
+    def _request_cancel(self) -> bool:
+        """Sets `cancel_requested`; says whether this call set it."""
+        if self.cancel_requested.is_set():
+            return False
+        log.info("task %s: cancel requested; stopping the handler", self.task.id)
+        self.cancel_requested.set()
+        return True
+
     def _lose_lease(self, why: str) -> None:
         if not self.lease_lost.is_set():
             log.warning("task %s: lease lost (%s); its result will be dropped", self.task.id, why)
@@ -215,8 +268,12 @@ class _Run:
     claim_span: trace.SpanContext
     abandoned: asyncio.Future[None]
     """Resolved by the drain when the deadline passes before the handler finishes."""
+    lease: float | None = None
+    """The lease's length in seconds, as the claim (then each heartbeat) gave it; None: unsaid."""
     task: asyncio.Task[None] | None = None
     """The asyncio task working it (`WorkerFleet._execute`)."""
+    handler: asyncio.Task[Output] | None = None
+    """The asyncio task running the handler, once the claim is confirmed."""
 
 
 class WorkerFleet:
@@ -225,13 +282,20 @@ class WorkerFleet:
     Settings (each with its default):
     - `poll_interval` (2.0 s): how long an idle tool's claim parks in the service, jittered
       by ±25 % so a fleet's claims do not line up; at most 30 s (the service's limit).
-    - `heartbeat_interval` (60 s): how often a running task's lease is extended. Keep it under
-      half of the service's GENQ_LEASE_SECONDS (120).
+    - `heartbeat_interval` (60 s): the longest time between two extensions of a running task's
+      lease. The beat follows the lease the service grants: every min(`heartbeat_interval`,
+      lease / 3), from the lease the claim and then each heartbeat answered (the service's
+      GENQ_LEASE_SECONDS, 120, or the tool's `lease_seconds`, at least 10).
     - `drain_timeout` (30 s): on stop, how long tasks in flight get to finish.
     - `retry_unknown_errors` (False): whether a handler's unexpected exception requeues the task
       (uses an attempt) instead of failing it at once. Either way only the class name is stored.
     - `tracer_provider`: where the claim/process/complete spans go; None means OpenTelemetry's
       global provider (a no-op until the application installs an SDK).
+
+    Before a claimed task's handler starts, one HeartbeatTask confirms the claim (a run counts
+    only once confirmed); a claim that cannot be confirmed is not run. A heartbeat answering
+    `cancel_requested` sets `ctx.cancel_requested`, cancels the handler and reports the cancel
+    with the run's cost. See the module docstring for why.
     """
 
     def __init__(
@@ -479,7 +543,7 @@ class WorkerFleet:
             return
         loop = asyncio.get_running_loop()
         ctx = TaskContext(self.client, lane.name, response.task, response.lease_token, loop)
-        run = _Run(lane, ctx, claim_span, loop.create_future())
+        run = _Run(lane, ctx, claim_span, loop.create_future(), lease=_lease_seconds(response))
         run.task = asyncio.create_task(self._execute(run), name=f"genq {lane.name} {ctx.task.id}")
         lane.runs.add(run)
 
@@ -492,7 +556,8 @@ class WorkerFleet:
     # -- one task -------------------------------------------------------------------------------
 
     async def _execute(self, run: _Run) -> None:
-        """Works one claimed task: heartbeat, handler, then complete, fail, drop or release."""
+        """Works one claimed task: confirm, heartbeat, handler, then complete, fail, drop or
+        release."""
         task = run.ctx.task
         links = [trace.Link(run.claim_span)] if run.claim_span.is_valid else []
         with self._tracer.start_as_current_span(
@@ -503,8 +568,17 @@ class WorkerFleet:
             attributes={"genq.task_id": task.id, "genq.retry_count": task.retry_count},
             record_exception=False,  # an exception's message may quote the user's prompt
         ) as span:
-            heartbeat = asyncio.create_task(self._heartbeat(run.ctx))
-            handler = asyncio.create_task(self._handle(run))
+            confirmed = await self._confirm(run)
+            span.set_attribute("genq.confirmed", confirmed)
+            if not confirmed:
+                return
+            if run.ctx.is_cancel_requested:
+                # Cancelled before it started: nothing ran, nothing to bill.
+                span.set_attribute("genq.cancelled", True)
+                await self._report(run, "cancel", _cancel_request(run.ctx))
+                return
+            heartbeat = asyncio.create_task(self._heartbeat(run))
+            handler = run.handler = asyncio.create_task(self._handle(run))
             try:
                 either: list[asyncio.Future[Any]] = [handler, run.abandoned]
                 await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
@@ -524,6 +598,48 @@ class WorkerFleet:
             except Exception:
                 log.exception("task %s: reporting the outcome failed", task.id)
 
+    async def _confirm(self, run: _Run) -> bool:
+        """The HeartbeatTask that confirms a claim before its handler runs (module docstring,
+        "Confirmation"); says whether the claim is confirmed and the handler may run."""
+        ctx = run.ctx
+        request = task_pb2.HeartbeatTaskRequest(task_id=ctx.task.id, lease_token=ctx.lease_token)
+        loop = asyncio.get_running_loop()
+        # Give up well inside the claim's lease: past it the beat could only hear LEASE_LOST.
+        deadline = loop.time() + (run.lease or MIN_LEASE_SECONDS) * 2 / 3
+        for attempt in range(CONFIRM_ATTEMPTS):
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            try:
+                response = await self.client.call(
+                    "HeartbeatTask", request, timeout=min(self.client.timeout, remaining)
+                )
+            except GenqError as error:
+                if _lease_gone(error):
+                    log.warning(
+                        "task %s: claim not confirmed (%s); not running it",
+                        ctx.task.id,
+                        error.reason,
+                    )
+                    return False
+                if error.code not in CONFIRM_RETRIED_CODES:
+                    log.error(
+                        "task %s: claim not confirmed: %s; not running it", ctx.task.id, error
+                    )
+                    return False
+                log.warning("task %s: confirming the claim failed: %s", ctx.task.id, error)
+                pause = CONFIRM_RETRY_SECONDS * 2**attempt
+                await asyncio.sleep(max(0.0, min(pause, deadline - loop.time())))
+                continue
+            self._beaten(run, response)
+            return True
+        log.warning(
+            "task %s: could not confirm the claim; not running it (its lease lapses "
+            "unconfirmed, which costs the task no retry)",
+            ctx.task.id,
+        )
+        return False
+
     async def _handle(self, run: _Run) -> Output:
         return await run.lane.call(run.ctx.task, run.ctx)
 
@@ -534,23 +650,44 @@ class WorkerFleet:
         context = copy_context()  # the thread sees the process span as current
         return await loop.run_in_executor(self._executor, context.run, handler, task, ctx)
 
-    async def _heartbeat(self, ctx: TaskContext) -> None:
+    async def _heartbeat(self, run: _Run) -> None:
+        ctx = run.ctx
         request = task_pb2.HeartbeatTaskRequest(task_id=ctx.task.id, lease_token=ctx.lease_token)
-        # A beat that hangs must not outlive the next one.
-        timeout = min(self.client.timeout, max(self.heartbeat_interval, 1.0))
-        delay = self.heartbeat_interval
+        delay = self._beat_interval(run)  # the confirmation was the first beat
         while True:
             await asyncio.sleep(delay)
+            interval = self._beat_interval(run)
             try:
-                await self.client.call("HeartbeatTask", request, timeout=timeout)
-                delay = self.heartbeat_interval
+                # A beat that hangs must not outlive the next one.
+                response = await self.client.call(
+                    "HeartbeatTask", request, timeout=min(self.client.timeout, max(interval, 1.0))
+                )
             except GenqError as error:
                 if _lease_gone(error):
                     ctx._lose_lease(f"HeartbeatTask: {error.reason}")
                     return
                 # The lease outlasts two beats; try again soon rather than a beat later.
-                delay = min(self.heartbeat_interval, 1.0)
+                delay = min(interval, 1.0)
                 log.warning("task %s: heartbeat failed: %s", ctx.task.id, error)
+                continue
+            self._beaten(run, response)
+            delay = self._beat_interval(run)
+
+    def _beat_interval(self, run: _Run) -> float:
+        """min(heartbeat_interval, lease / 3): two beats may fail before the lease lapses."""
+        if run.lease is None:
+            return self.heartbeat_interval
+        return min(self.heartbeat_interval, run.lease / 3)
+
+    def _beaten(self, run: _Run, response: task_pb2.HeartbeatTaskResponse) -> None:
+        """Takes in a heartbeat's answer: the lease's length, and a cancel request."""
+        run.lease = _lease_seconds(response) or run.lease
+        if not response.cancel_requested or not run.ctx._request_cancel():
+            return
+        # A thread cannot be interrupted: a sync handler sees ctx.cancel_requested and returns,
+        # and the lease is kept until it does.
+        if run.handler is not None and not run.lane.runs_in_thread:
+            run.handler.cancel()
 
     async def _settle(self, run: _Run, handler: asyncio.Task[Output], span: trace.Span) -> None:
         ctx = run.ctx
@@ -559,6 +696,12 @@ class WorkerFleet:
             await self._report_cost(run)
             return
         error = asyncio.CancelledError() if handler.cancelled() else handler.exception()
+        if ctx.is_cancel_requested:
+            # Whatever the handler made of the cancel (returned, raised, or was cancelled), the
+            # run ends cancelled; what it cost so far is recorded.
+            span.set_attribute("genq.cancelled", True)
+            await self._report(run, "cancel", _cancel_request(ctx))
+            return
         if error is None:
             await self._complete(run, handler.result(), span)
         elif isinstance(error, outcomes.TaskOutcome):
@@ -639,8 +782,7 @@ class WorkerFleet:
         with self._tracer.start_as_current_span(f"{what} {run.lane.name}"):
             for attempt in range(REPORT_ATTEMPTS):
                 try:
-                    await self.client.call(method, request)
-                    return None
+                    response = await self.client.call(method, request)
                 except GenqError as error:
                     if _lease_gone(error):
                         # A FailTask or ReleaseTask retried after UNAVAILABLE may also hear this
@@ -657,6 +799,12 @@ class WorkerFleet:
                         log.error("task %s: %s failed: %s", ctx.task.id, method, error)
                         return error
                     await asyncio.sleep(0.2 * 2**attempt)
+                    continue
+                if response.task.status == task_pb2.TASK_STATUS_CANCELLED:
+                    # A cancel was asked for while the task ran: whatever was reported, the run
+                    # ended cancelled, with its cost.
+                    log.info("task %s: cancelled while running; cost recorded", ctx.task.id)
+                return None
         raise AssertionError("unreachable")
 
 
@@ -671,6 +819,22 @@ def _fail_request(
         increment_retry=failure == task_pb2.FAILURE_KIND_RETRYABLE,
         reported_usage=ctx.reported_usage(),
     )
+
+
+def _cancel_request(ctx: TaskContext) -> task_pb2.FailTaskRequest:
+    """The report of a run stopped by a cancel request, with what it cost so far."""
+    cancelled = outcomes.CancelledError()
+    return _fail_request(ctx, cancelled.stored_error(), cancelled.failure)
+
+
+def _lease_seconds(
+    response: task_pb2.ClaimNextTaskResponse | task_pb2.HeartbeatTaskResponse,
+) -> float | None:
+    """The lease's length an answer gives, in seconds; None when it gives none (older service)."""
+    if not response.HasField("lease"):
+        return None
+    seconds = response.lease.ToNanoseconds() / 1e9
+    return seconds if seconds > 0 else None
 
 
 def _lease_gone(error: GenqError) -> bool:

@@ -4,7 +4,8 @@ Each sweep does two things, over gRPC only (no database credentials):
 
 1. Reap. `ListStaleTasks` returns the tasks that can never finish on their own (dead zombies,
    unclaimable rows, abandoned never-claimed rows). Each is forced terminal `failed` with a
-   `FailTask` that carries no lease token; the service re-checks in that same statement that the
+   `FailTask` that carries no lease token; the service re-checks in that same statement, by the
+   same settings as the list (`processing_grace_seconds`, `queued_max_age_seconds`), that the
    task is still stale, so a task that came alive in between (claimed, heartbeating) answers
    TASK_NOT_STALE and is skipped, never killed. `on_failed(task)` then lets the gateway project
    the failure onto its own record (a chat message stuck at "planning...", say).
@@ -88,7 +89,9 @@ class SweepSummary:
 class Reconciler:
     """Reaps stale tasks and settles reservations, once per `sweep()` or periodically (`run`).
 
-    All durations are in seconds; every default is the spec's.
+    All durations are in seconds; every default is the spec's. What "stale" means is the
+    service's to say, one rule for every caller: the settings `processing_grace_seconds` (120)
+    and `queued_max_age_seconds` (900), changed with UpdateSettings (`genq settings`).
     """
 
     def __init__(
@@ -98,8 +101,6 @@ class Reconciler:
         on_failed: Hook[task_pb2.Task] | None = None,
         on_settled: Hook[task_pb2.Settlement] | None = None,
         reconcile_interval_seconds: float = 60,
-        processing_grace_seconds: int = 120,
-        queued_max_age_seconds: int = 900,
         page_size: int = 500,
     ) -> None:
         if not 1 <= page_size <= MAX_PAGE_SIZE:
@@ -113,11 +114,6 @@ class Reconciler:
         """Called with each settlement this reconciler made."""
         self.reconcile_interval_seconds = reconcile_interval_seconds
         """Pause between the start of one sweep and the next in `run` (60)."""
-        self.processing_grace_seconds = processing_grace_seconds
-        """How long past its lease a retries-exhausted `processing` task is dead (120)."""
-        self.queued_max_age_seconds = queued_max_age_seconds
-        """How old a never-claimed queued task is abandoned (900); generous on purpose, so a
-        brief worker outage heals by claims instead of being reaped."""
         self.page_size = page_size
         """Tasks asked for per list call (500); a sweep keeps listing until it has seen all."""
 
@@ -156,11 +152,7 @@ class Reconciler:
         while True:
             response = await self.client.call(
                 "ListStaleTasks",
-                task_pb2.ListStaleTasksRequest(
-                    processing_grace_seconds=self.processing_grace_seconds,
-                    queued_max_age_seconds=self.queued_max_age_seconds,
-                    limit=self.page_size,
-                ),
+                task_pb2.ListStaleTasksRequest(limit=self.page_size),
             )
             fresh = [stale for stale in response.tasks if stale.task.id not in seen]
             for stale in fresh:
@@ -175,9 +167,6 @@ class Reconciler:
             task_id=stale.task.id,
             error=f"reaped: {reason}",
             increment_retry=False,
-            # The same thresholds as the list, so the service judges staleness as we did.
-            processing_grace_seconds=self.processing_grace_seconds,
-            queued_max_age_seconds=self.queued_max_age_seconds,
         )
         try:
             response = await self.client.call("FailTask", request)

@@ -162,22 +162,30 @@ class _StaleReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_StaleReas
     DESCRIPTOR: _descriptor.EnumDescriptor
     STALE_REASON_UNSPECIFIED: _StaleReason.ValueType  # 0
     STALE_REASON_DEAD_ZOMBIE: _StaleReason.ValueType  # 1
-    """processing, retries used up, lease lapsed longer ago than the grace window."""
+    """processing, its lease lapsed longer ago than processing_grace_seconds (the rescuer that
+    would have handed it back is not running).
+    """
     STALE_REASON_UNCLAIMABLE: _StaleReason.ValueType  # 2
     """queued or dispatched with retry_count >= max_retries (max_retries = 0, say): never claimable."""
     STALE_REASON_ABANDONED: _StaleReason.ValueType  # 3
-    """queued or dispatched, never claimed, older than queued_max_age_seconds."""
+    """queued, nothing deliberate holds it (switch, cap, pause, hold, cooldown, run_after), and no
+    worker has asked for its tool's work for queued_max_age_seconds since it could run.
+    """
 
 class StaleReason(_StaleReason, metaclass=_StaleReasonEnumTypeWrapper):
-    """Why ListStaleTasks returned a task."""
+    """Why ListStaleTasks returned a task (docs/ARCHITECTURE.md, "What stale means")."""
 
 STALE_REASON_UNSPECIFIED: StaleReason.ValueType  # 0
 STALE_REASON_DEAD_ZOMBIE: StaleReason.ValueType  # 1
-"""processing, retries used up, lease lapsed longer ago than the grace window."""
+"""processing, its lease lapsed longer ago than processing_grace_seconds (the rescuer that
+would have handed it back is not running).
+"""
 STALE_REASON_UNCLAIMABLE: StaleReason.ValueType  # 2
 """queued or dispatched with retry_count >= max_retries (max_retries = 0, say): never claimable."""
 STALE_REASON_ABANDONED: StaleReason.ValueType  # 3
-"""queued or dispatched, never claimed, older than queued_max_age_seconds."""
+"""queued, nothing deliberate holds it (switch, cap, pause, hold, cooldown, run_after), and no
+worker has asked for its tool's work for queued_max_age_seconds since it could run.
+"""
 Global___StaleReason: _TypeAlias = StaleReason  # noqa: Y015
 
 class _TaskEventKind:
@@ -200,6 +208,10 @@ class _TaskEventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TaskEve
     """Terminal; added by CancelTask, CancelTasks, or FailTask with FAILURE_KIND_CANCELLED."""
     TASK_EVENT_KIND_EXPIRED: _TaskEventKind.ValueType  # 8
     """Terminal; added when the task expires unrun."""
+    TASK_EVENT_KIND_STARTED: _TaskEventKind.ValueType  # 9
+    """A claim started a run: {"attempt": n}."""
+    TASK_EVENT_KIND_CANCEL_REQUESTED: _TaskEventKind.ValueType  # 10
+    """CancelTask or CancelTasks asked a running task to stop; `cancelled` follows when it does."""
 
 class TaskEventKind(_TaskEventKind, metaclass=_TaskEventKindEnumTypeWrapper):
     """Mirrors the Postgres enum generation.task_event_kind."""
@@ -218,6 +230,10 @@ TASK_EVENT_KIND_CANCELLED: TaskEventKind.ValueType  # 7
 """Terminal; added by CancelTask, CancelTasks, or FailTask with FAILURE_KIND_CANCELLED."""
 TASK_EVENT_KIND_EXPIRED: TaskEventKind.ValueType  # 8
 """Terminal; added when the task expires unrun."""
+TASK_EVENT_KIND_STARTED: TaskEventKind.ValueType  # 9
+"""A claim started a run: {"attempt": n}."""
+TASK_EVENT_KIND_CANCEL_REQUESTED: TaskEventKind.ValueType  # 10
+"""CancelTask or CancelTasks asked a running task to stop; `cancelled` follows when it does."""
 Global___TaskEventKind: _TypeAlias = TaskEventKind  # noqa: Y015
 
 @_typing.final
@@ -250,6 +266,8 @@ class Task(_message.Message):
     ACCOUNT_GROUP_FIELD_NUMBER: _builtins.int
     COST_ESTIMATE_NANOS_FIELD_NUMBER: _builtins.int
     ATTEMPT_COUNT_FIELD_NUMBER: _builtins.int
+    UNCONFIRMED_CLAIMS_FIELD_NUMBER: _builtins.int
+    CANCEL_REQUESTED_AT_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     tool_id: _builtins.str
     status: Global___TaskStatus.ValueType
@@ -267,6 +285,10 @@ class Task(_message.Message):
     cost_estimate_nanos: _builtins.int
     attempt_count: _builtins.int
     """Runs started so far (claims), each a row of the attempts ledger."""
+    unconfirmed_claims: _builtins.int
+    """Claims whose answer never reached a worker (the lease lapsed unconfirmed): they cost no
+    retry; at GENQ's bound (20) the task fails with error "claim answers lost".
+    """
     @_builtins.property
     def input(self) -> _struct_pb2.Struct: ...
     @_builtins.property
@@ -287,6 +309,12 @@ class Task(_message.Message):
 
     @_builtins.property
     def expires_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def cancel_requested_at(self) -> _timestamp_pb2.Timestamp:
+        """Set when a cancel of the running task was asked for; the run ends cancelled when its
+        worker reports (or its lease lapses).
+        """
+
     def __init__(
         self,
         *,
@@ -314,10 +342,12 @@ class Task(_message.Message):
         account_group: _builtins.str = ...,
         cost_estimate_nanos: _builtins.int | None = ...,
         attempt_count: _builtins.int = ...,
+        unconfirmed_claims: _builtins.int = ...,
+        cancel_requested_at: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_cost_estimate_nanos", b"_cost_estimate_nanos", "claim_expires_at", b"claim_expires_at", "completed_at", b"completed_at", "cost_estimate_nanos", b"cost_estimate_nanos", "created_at", b"created_at", "expires_at", b"expires_at", "input", b"input", "output", b"output", "reported_usage", b"reported_usage", "run_at", b"run_at", "started_at", b"started_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cost_estimate_nanos", b"_cost_estimate_nanos", "cancel_requested_at", b"cancel_requested_at", "claim_expires_at", b"claim_expires_at", "completed_at", b"completed_at", "cost_estimate_nanos", b"cost_estimate_nanos", "created_at", b"created_at", "expires_at", b"expires_at", "input", b"input", "output", b"output", "reported_usage", b"reported_usage", "run_at", b"run_at", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cost_estimate_nanos", b"_cost_estimate_nanos", "account_group", b"account_group", "attempt_count", b"attempt_count", "billing_idempotency_key", b"billing_idempotency_key", "claim_expires_at", b"claim_expires_at", "completed_at", b"completed_at", "cost_estimate_nanos", b"cost_estimate_nanos", "created_at", b"created_at", "error", b"error", "expires_at", b"expires_at", "id", b"id", "idempotency_key", b"idempotency_key", "input", b"input", "max_retries", b"max_retries", "output", b"output", "priority", b"priority", "reported_usage", b"reported_usage", "reserved_token_amount", b"reserved_token_amount", "resource_key", b"resource_key", "retry_count", b"retry_count", "run_at", b"run_at", "started_at", b"started_at", "status", b"status", "tool_id", b"tool_id", "w3c_traceparent", b"w3c_traceparent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cost_estimate_nanos", b"_cost_estimate_nanos", "account_group", b"account_group", "attempt_count", b"attempt_count", "billing_idempotency_key", b"billing_idempotency_key", "cancel_requested_at", b"cancel_requested_at", "claim_expires_at", b"claim_expires_at", "completed_at", b"completed_at", "cost_estimate_nanos", b"cost_estimate_nanos", "created_at", b"created_at", "error", b"error", "expires_at", b"expires_at", "id", b"id", "idempotency_key", b"idempotency_key", "input", b"input", "max_retries", b"max_retries", "output", b"output", "priority", b"priority", "reported_usage", b"reported_usage", "reserved_token_amount", b"reserved_token_amount", "resource_key", b"resource_key", "retry_count", b"retry_count", "run_at", b"run_at", "started_at", b"started_at", "status", b"status", "tool_id", b"tool_id", "unconfirmed_claims", b"unconfirmed_claims", "w3c_traceparent", b"w3c_traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__cost_estimate_nanos: _TypeAlias = _typing.Literal["cost_estimate_nanos"]  # noqa: Y015
     _WhichOneofArgType__cost_estimate_nanos: _TypeAlias = _typing.Literal["_cost_estimate_nanos", b"_cost_estimate_nanos"]  # noqa: Y015
@@ -664,6 +694,7 @@ class ClaimNextTaskResponse(_message.Message):
     TASK_FIELD_NUMBER: _builtins.int
     LEASE_TOKEN_FIELD_NUMBER: _builtins.int
     IDLE_REASON_FIELD_NUMBER: _builtins.int
+    LEASE_FIELD_NUMBER: _builtins.int
     lease_token: _builtins.str
     """Fences every later write of this claimer: heartbeat, complete and fail must present it."""
     idle_reason: Global___IdleReason.ValueType
@@ -672,16 +703,21 @@ class ClaimNextTaskResponse(_message.Message):
     def task(self) -> Global___Task:
         """Unset when there is nothing to claim."""
 
+    @_builtins.property
+    def lease(self) -> _duration_pb2.Duration:
+        """The lease's length: heartbeat well within it (the SDK beats every third of it)."""
+
     def __init__(
         self,
         *,
         task: Global___Task | None = ...,
         lease_token: _builtins.str = ...,
         idle_reason: Global___IdleReason.ValueType = ...,
+        lease: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["idle_reason", b"idle_reason", "lease_token", b"lease_token", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["idle_reason", b"idle_reason", "lease", b"lease", "lease_token", b"lease_token", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -714,16 +750,28 @@ class HeartbeatTaskResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     CLAIM_EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    LEASE_FIELD_NUMBER: _builtins.int
+    CANCEL_REQUESTED_FIELD_NUMBER: _builtins.int
+    cancel_requested: _builtins.bool
+    """A cancel was asked for: stop the work and report (FailTask with FAILURE_KIND_CANCELLED,
+    or any report) with what the run cost; the run ends cancelled whatever is reported.
+    """
     @_builtins.property
     def claim_expires_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def lease(self) -> _duration_pb2.Duration:
+        """The lease's length, as in ClaimNextTaskResponse."""
+
     def __init__(
         self,
         *,
         claim_expires_at: _timestamp_pb2.Timestamp | None = ...,
+        lease: _duration_pb2.Duration | None = ...,
+        cancel_requested: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["claim_expires_at", b"claim_expires_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["claim_expires_at", b"claim_expires_at", "lease", b"lease"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["claim_expires_at", b"claim_expires_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel_requested", b"cancel_requested", "claim_expires_at", b"claim_expires_at", "lease", b"lease"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -787,8 +835,6 @@ class FailTaskRequest(_message.Message):
     LEASE_TOKEN_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     INCREMENT_RETRY_FIELD_NUMBER: _builtins.int
-    PROCESSING_GRACE_SECONDS_FIELD_NUMBER: _builtins.int
-    QUEUED_MAX_AGE_SECONDS_FIELD_NUMBER: _builtins.int
     FAILURE_FIELD_NUMBER: _builtins.int
     REPORTED_USAGE_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
@@ -796,9 +842,6 @@ class FailTaskRequest(_message.Message):
     """Empty only for the reaper's forced fail (increment_retry = false, task stale right now)."""
     error: _builtins.str
     increment_retry: _builtins.bool
-    processing_grace_seconds: _builtins.int
-    """Staleness thresholds of a forced fail; 0 means the defaults (120 s and 900 s)."""
-    queued_max_age_seconds: _builtins.int
     failure: Global___FailureKind.ValueType
     """Overrides increment_retry when set."""
     @_builtins.property
@@ -812,14 +855,12 @@ class FailTaskRequest(_message.Message):
         lease_token: _builtins.str = ...,
         error: _builtins.str = ...,
         increment_retry: _builtins.bool = ...,
-        processing_grace_seconds: _builtins.int = ...,
-        queued_max_age_seconds: _builtins.int = ...,
         failure: Global___FailureKind.ValueType = ...,
         reported_usage: Global___ReportedUsage | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["reported_usage", b"reported_usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "failure", b"failure", "increment_retry", b"increment_retry", "lease_token", b"lease_token", "processing_grace_seconds", b"processing_grace_seconds", "queued_max_age_seconds", b"queued_max_age_seconds", "reported_usage", b"reported_usage", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "failure", b"failure", "increment_retry", b"increment_retry", "lease_token", b"lease_token", "reported_usage", b"reported_usage", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -920,7 +961,7 @@ class CancelTasksRequest(_message.Message):
     LIMIT_FIELD_NUMBER: _builtins.int
     tool_id: _builtins.str
     include_processing: _builtins.bool
-    """Also cancel running tasks (their workers lose the lease)."""
+    """Also ask running tasks to stop (as CancelTask does)."""
     idempotency_key_prefix: _builtins.str
     """Only tasks whose idempotency key starts with this."""
     limit: _builtins.int
@@ -946,15 +987,20 @@ class CancelTasksResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     CANCELLED_FIELD_NUMBER: _builtins.int
+    CANCEL_REQUESTED_FIELD_NUMBER: _builtins.int
     cancelled: _builtins.int
+    """Queued tasks cancelled."""
+    cancel_requested: _builtins.int
+    """Running tasks asked to stop (include_processing); each ends cancelled when its run does."""
     def __init__(
         self,
         *,
         cancelled: _builtins.int = ...,
+        cancel_requested: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancelled", b"cancelled"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel_requested", b"cancel_requested", "cancelled", b"cancelled"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1170,6 +1216,8 @@ class Settings(_message.Message):
     RESERVED_NANOS_FIELD_NUMBER: _builtins.int
     DISABLED_BY_ENVIRONMENT_FIELD_NUMBER: _builtins.int
     CAP_OVERRIDE_NANOS_FIELD_NUMBER: _builtins.int
+    PROCESSING_GRACE_SECONDS_FIELD_NUMBER: _builtins.int
+    QUEUED_MAX_AGE_SECONDS_FIELD_NUMBER: _builtins.int
     enabled: _builtins.bool
     """The kill switch as stored (true: running)."""
     daily_cap_nanos: _builtins.int
@@ -1190,6 +1238,12 @@ class Settings(_message.Message):
     """GENQ_DISABLED: off whatever is stored."""
     cap_override_nanos: _builtins.int
     """GENQ_DAILY_CAP_NANOS: replaces the stored cap."""
+    processing_grace_seconds: _builtins.int
+    """What "stale" means, for the watchdog, the reaper and the status page alike: a processing
+    task whose lease lapsed this long ago (default 120 s), and a queued task that could have
+    run for this long with no worker asking for its tool's work (default 900 s).
+    """
+    queued_max_age_seconds: _builtins.int
     def __init__(
         self,
         *,
@@ -1206,10 +1260,12 @@ class Settings(_message.Message):
         reserved_nanos: _builtins.int = ...,
         disabled_by_environment: _builtins.bool = ...,
         cap_override_nanos: _builtins.int | None = ...,
+        processing_grace_seconds: _builtins.int = ...,
+        queued_max_age_seconds: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_cap_override_nanos", b"_cap_override_nanos", "_daily_cap_nanos", b"_daily_cap_nanos", "cap_override_nanos", b"cap_override_nanos", "daily_cap_nanos", b"daily_cap_nanos"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cap_override_nanos", b"_cap_override_nanos", "_daily_cap_nanos", b"_daily_cap_nanos", "account_hold_seconds", b"account_hold_seconds", "cap_override_nanos", b"cap_override_nanos", "cooldown_seconds", b"cooldown_seconds", "cooldown_threshold", b"cooldown_threshold", "currency", b"currency", "daily_cap_nanos", b"daily_cap_nanos", "disabled_by_environment", b"disabled_by_environment", "enabled", b"enabled", "local_day", b"local_day", "reserved_nanos", b"reserved_nanos", "retention_days", b"retention_days", "spent_today_nanos", b"spent_today_nanos", "timezone", b"timezone"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cap_override_nanos", b"_cap_override_nanos", "_daily_cap_nanos", b"_daily_cap_nanos", "account_hold_seconds", b"account_hold_seconds", "cap_override_nanos", b"cap_override_nanos", "cooldown_seconds", b"cooldown_seconds", "cooldown_threshold", b"cooldown_threshold", "currency", b"currency", "daily_cap_nanos", b"daily_cap_nanos", "disabled_by_environment", b"disabled_by_environment", "enabled", b"enabled", "local_day", b"local_day", "processing_grace_seconds", b"processing_grace_seconds", "queued_max_age_seconds", b"queued_max_age_seconds", "reserved_nanos", b"reserved_nanos", "retention_days", b"retention_days", "spent_today_nanos", b"spent_today_nanos", "timezone", b"timezone"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__cap_override_nanos: _TypeAlias = _typing.Literal["cap_override_nanos"]  # noqa: Y015
     _WhichOneofArgType__cap_override_nanos: _TypeAlias = _typing.Literal["_cap_override_nanos", b"_cap_override_nanos"]  # noqa: Y015
@@ -1235,6 +1291,8 @@ class UpdateSettingsRequest(_message.Message):
     ACCOUNT_HOLD_SECONDS_FIELD_NUMBER: _builtins.int
     RETENTION_DAYS_FIELD_NUMBER: _builtins.int
     CLEAR_FIELD_NUMBER: _builtins.int
+    PROCESSING_GRACE_SECONDS_FIELD_NUMBER: _builtins.int
+    QUEUED_MAX_AGE_SECONDS_FIELD_NUMBER: _builtins.int
     enabled: _builtins.bool
     daily_cap_nanos: _builtins.int
     currency: _builtins.str
@@ -1243,6 +1301,8 @@ class UpdateSettingsRequest(_message.Message):
     cooldown_seconds: _builtins.int
     account_hold_seconds: _builtins.int
     retention_days: _builtins.int
+    processing_grace_seconds: _builtins.int
+    queued_max_age_seconds: _builtins.int
     @_builtins.property
     def clear(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Settings to reset: daily_cap_nanos (then nothing runs)."""
@@ -1259,10 +1319,12 @@ class UpdateSettingsRequest(_message.Message):
         account_hold_seconds: _builtins.int | None = ...,
         retention_days: _builtins.int | None = ...,
         clear: _abc.Iterable[_builtins.str] | None = ...,
+        processing_grace_seconds: _builtins.int | None = ...,
+        queued_max_age_seconds: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_account_hold_seconds", b"_account_hold_seconds", "_cooldown_seconds", b"_cooldown_seconds", "_cooldown_threshold", b"_cooldown_threshold", "_currency", b"_currency", "_daily_cap_nanos", b"_daily_cap_nanos", "_enabled", b"_enabled", "_retention_days", b"_retention_days", "_timezone", b"_timezone", "account_hold_seconds", b"account_hold_seconds", "cooldown_seconds", b"cooldown_seconds", "cooldown_threshold", b"cooldown_threshold", "currency", b"currency", "daily_cap_nanos", b"daily_cap_nanos", "enabled", b"enabled", "retention_days", b"retention_days", "timezone", b"timezone"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_account_hold_seconds", b"_account_hold_seconds", "_cooldown_seconds", b"_cooldown_seconds", "_cooldown_threshold", b"_cooldown_threshold", "_currency", b"_currency", "_daily_cap_nanos", b"_daily_cap_nanos", "_enabled", b"_enabled", "_processing_grace_seconds", b"_processing_grace_seconds", "_queued_max_age_seconds", b"_queued_max_age_seconds", "_retention_days", b"_retention_days", "_timezone", b"_timezone", "account_hold_seconds", b"account_hold_seconds", "cooldown_seconds", b"cooldown_seconds", "cooldown_threshold", b"cooldown_threshold", "currency", b"currency", "daily_cap_nanos", b"daily_cap_nanos", "enabled", b"enabled", "processing_grace_seconds", b"processing_grace_seconds", "queued_max_age_seconds", b"queued_max_age_seconds", "retention_days", b"retention_days", "timezone", b"timezone"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_account_hold_seconds", b"_account_hold_seconds", "_cooldown_seconds", b"_cooldown_seconds", "_cooldown_threshold", b"_cooldown_threshold", "_currency", b"_currency", "_daily_cap_nanos", b"_daily_cap_nanos", "_enabled", b"_enabled", "_retention_days", b"_retention_days", "_timezone", b"_timezone", "account_hold_seconds", b"account_hold_seconds", "clear", b"clear", "cooldown_seconds", b"cooldown_seconds", "cooldown_threshold", b"cooldown_threshold", "currency", b"currency", "daily_cap_nanos", b"daily_cap_nanos", "enabled", b"enabled", "retention_days", b"retention_days", "timezone", b"timezone"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_account_hold_seconds", b"_account_hold_seconds", "_cooldown_seconds", b"_cooldown_seconds", "_cooldown_threshold", b"_cooldown_threshold", "_currency", b"_currency", "_daily_cap_nanos", b"_daily_cap_nanos", "_enabled", b"_enabled", "_processing_grace_seconds", b"_processing_grace_seconds", "_queued_max_age_seconds", b"_queued_max_age_seconds", "_retention_days", b"_retention_days", "_timezone", b"_timezone", "account_hold_seconds", b"account_hold_seconds", "clear", b"clear", "cooldown_seconds", b"cooldown_seconds", "cooldown_threshold", b"cooldown_threshold", "currency", b"currency", "daily_cap_nanos", b"daily_cap_nanos", "enabled", b"enabled", "processing_grace_seconds", b"processing_grace_seconds", "queued_max_age_seconds", b"queued_max_age_seconds", "retention_days", b"retention_days", "timezone", b"timezone"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__account_hold_seconds: _TypeAlias = _typing.Literal["account_hold_seconds"]  # noqa: Y015
     _WhichOneofArgType__account_hold_seconds: _TypeAlias = _typing.Literal["_account_hold_seconds", b"_account_hold_seconds"]  # noqa: Y015
@@ -1276,6 +1338,10 @@ class UpdateSettingsRequest(_message.Message):
     _WhichOneofArgType__daily_cap_nanos: _TypeAlias = _typing.Literal["_daily_cap_nanos", b"_daily_cap_nanos"]  # noqa: Y015
     _WhichOneofReturnType__enabled: _TypeAlias = _typing.Literal["enabled"]  # noqa: Y015
     _WhichOneofArgType__enabled: _TypeAlias = _typing.Literal["_enabled", b"_enabled"]  # noqa: Y015
+    _WhichOneofReturnType__processing_grace_seconds: _TypeAlias = _typing.Literal["processing_grace_seconds"]  # noqa: Y015
+    _WhichOneofArgType__processing_grace_seconds: _TypeAlias = _typing.Literal["_processing_grace_seconds", b"_processing_grace_seconds"]  # noqa: Y015
+    _WhichOneofReturnType__queued_max_age_seconds: _TypeAlias = _typing.Literal["queued_max_age_seconds"]  # noqa: Y015
+    _WhichOneofArgType__queued_max_age_seconds: _TypeAlias = _typing.Literal["_queued_max_age_seconds", b"_queued_max_age_seconds"]  # noqa: Y015
     _WhichOneofReturnType__retention_days: _TypeAlias = _typing.Literal["retention_days"]  # noqa: Y015
     _WhichOneofArgType__retention_days: _TypeAlias = _typing.Literal["_retention_days", b"_retention_days"]  # noqa: Y015
     _WhichOneofReturnType__timezone: _TypeAlias = _typing.Literal["timezone"]  # noqa: Y015
@@ -1292,6 +1358,10 @@ class UpdateSettingsRequest(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__daily_cap_nanos) -> _WhichOneofReturnType__daily_cap_nanos | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__enabled) -> _WhichOneofReturnType__enabled | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__processing_grace_seconds) -> _WhichOneofReturnType__processing_grace_seconds | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__queued_max_age_seconds) -> _WhichOneofReturnType__queued_max_age_seconds | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__retention_days) -> _WhichOneofReturnType__retention_days | None: ...
     @_typing.overload
@@ -1454,25 +1524,17 @@ Global___ReleaseTaskResponse: _TypeAlias = ReleaseTaskResponse  # noqa: Y015
 class ListStaleTasksRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
-    PROCESSING_GRACE_SECONDS_FIELD_NUMBER: _builtins.int
-    QUEUED_MAX_AGE_SECONDS_FIELD_NUMBER: _builtins.int
     LIMIT_FIELD_NUMBER: _builtins.int
-    processing_grace_seconds: _builtins.int
-    """0 means the default, 120 s."""
-    queued_max_age_seconds: _builtins.int
-    """0 means the default, 900 s."""
     limit: _builtins.int
     """0 means the default, 500; at most 10,000."""
     def __init__(
         self,
         *,
-        processing_grace_seconds: _builtins.int = ...,
-        queued_max_age_seconds: _builtins.int = ...,
         limit: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["limit", b"limit", "processing_grace_seconds", b"processing_grace_seconds", "queued_max_age_seconds", b"queued_max_age_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["limit", b"limit"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2204,7 +2266,9 @@ class DayStats(_message.Message):
     completed: _builtins.int
     failed: _builtins.int
     lost: _builtins.int
-    """Abandoned or lease lost: the worker went away or came back too late."""
+    """Abandoned, lease lost or unconfirmed: the worker went away, came back too late, or never
+    got the claim's answer.
+    """
     cost_nanos: _builtins.int
     def __init__(
         self,

@@ -198,7 +198,9 @@ class GenerationDataServiceServicer:
         already settled is replaced by this request's and settles in a new round, one not yet
         settled is kept and settles once, as in RetryTask); a different input is
         ALREADY_EXISTS. The conflict path writes a no-op update because that returns the row even
-        when a concurrent duplicate committed after this statement's snapshot.
+        when a concurrent duplicate committed after this statement's snapshot; it locks the row, so
+        a REQUEUE and a SettleTask of the task are ordered. A requeue appends a `requeued` event
+        (its `queued_at` is this statement's now(): nothing else sets it so in an older row).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -213,52 +215,56 @@ class GenerationDataServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ClaimNextTask(self, request, context):
-        """Claims the next task of a tool: one UPDATE whose target is picked by a locked sub-select.
-        With `wait`, a claim that finds nothing parks in the service until a task for the tool is
-        committed (woken in-process, or through Redis from other replicas), re-checking at least
-        every GENQ_CLAIM_RECHECK_SECONDS, and returns empty when the wait runs out.
-        Order: reclaimed zombies first, then priority (higher first), then FIFO. A zombie reclaim
-        costs one retry; a fresh claim does not. Rows whose retries are used up are never claimed.
-        The partial index tasks_claim_idx serves the sub-select as an index-ordered top-1 whatever
-        the backlog, the tasks in flight or the statistics (see docs/ARCHITECTURE.md).
+        """Claims the next task of a tool (generation.claim_tasks_v1 with a limit of 1: one UPDATE of
+        the row a locked, index-ordered sub-select picked). With `wait`, a claim that finds nothing
+        parks in the service until a task for the tool is committed (woken in-process, or through
+        Redis from other replicas), re-checking at least every GENQ_CLAIM_RECHECK_SECONDS, and
+        returns empty when the wait runs out.
+        Order: reclaimed zombies first, then priority (higher first), then FIFO. Rows whose retries
+        are used up are never claimed. A claim costs no retry: a run is charged when it ends
+        unsuccessfully, and only once its worker confirmed the claim (its first heartbeat, event or
+        report). When the caller's deadline passes before the answer leaves, the service hands the
+        task straight back (release_task_v1 with p_unconfirmed); an answer lost on the way costs
+        nothing either: the unconfirmed lease lapses and the task is queued again, first in line.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def HeartbeatTask(self, request, context):
-        """Extends the lease of a task the caller still holds. A lapsed, stolen or finished lease is
-        ABORTED with ErrorInfo.reason LEASE_LOST. Touches no indexed column, so the update is HOT.
+        """Extends the lease of a task the caller still holds and confirms its claim; says whether a
+        cancel was asked for. A lapsed, stolen or finished lease is ABORTED with ErrorInfo.reason
+        LEASE_LOST. Touches no indexed column, so the update is HOT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def CompleteTask(self, request, context):
-        """Marks a held task completed with its output and the usage reported for settlement, and
-        appends the terminal `completed` event to the task's event stream in the same statement.
-        The run's attempt is closed with its cost (kept even when the lease was lost). The same
-        lease completing again (a retry after a lost answer) gets the completed task back, once
-        more, with nothing changed.
+        """Marks a held task completed with its output and the usage reported for settlement (or
+        cancelled, when a cancel was asked for while it ran), closes the run's attempt with its cost
+        (kept even when the lease was lost) and appends the terminal event. The same lease
+        completing again (a retry after a lost answer, or two calls at once) gets the same task back.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def FailTask(self, request, context):
-        """Fails a task. With increment_retry it is requeued while retries remain and failed once they
-        are used up; without it the task is failed at once. A caller holding the lease presents its
-        token; the reaper presents none, and then the task must be stale at this moment (judged in
-        this statement by generation.stale_reason), so a forced fail can never kill a live task;
-        a refused forced fail is FAILED_PRECONDITION with reason TASK_NOT_STALE. Appends a
-        `failed` (terminal) or `requeued` event to the task's event stream in the same statement.
+        """Fails a held task (generation.fail_task_v1): retryable requeues it with full-jitter backoff
+        while retries remain (one retry used) and fails it once they are used up; permanent fails it
+        at once; account requeues it without using a retry and holds the group; cancelled ends it.
+        The reaper presents no token: then the task must be stale at this moment (judged under its
+        row lock by generation.stale_reason_v1 with the stored thresholds), so a forced fail can
+        never kill a live or deliberately waiting task; a refused forced fail is FAILED_PRECONDITION
+        with reason TASK_NOT_STALE. Appends a `failed` (terminal) or `requeued` event.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseTask(self, request, context):
-        """Hands a held task back to the queue without using an attempt: a worker that stops on purpose
+        """Hands a held task back to the queue without using a retry: a worker that stops on purpose
         (SIGTERM drain) releases what it could not finish. Appends a `requeued` event.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -266,16 +272,19 @@ class GenerationDataServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CancelTask(self, request, context):
-        """Cancels a task that has not finished: a queued one never runs; a running one loses its
-        lease (the worker's next heartbeat or report is LEASE_LOST) and its reservation is released.
+        """Cancels a task that has not finished: a queued one ends cancelled and never runs; a running
+        one is asked to stop (cancel_requested_at; a `cancel_requested` event): its worker learns it
+        on the next heartbeat, and the run ends cancelled when it reports, its cost recorded and its
+        reservation released then (or when its lease lapses). Cancelling again answers the same.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def CancelTasks(self, request, context):
-        """Cancels, oldest first, up to `limit` queued tasks of a tool (and running ones with
-        include_processing), optionally only those whose idempotency key starts with a prefix.
+        """Cancels, oldest first, up to `limit` queued tasks of a tool (and asks running ones to stop,
+        with include_processing, as CancelTask does), optionally only those whose idempotency key
+        starts with a prefix.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -306,14 +315,16 @@ class GenerationDataServiceServicer:
 
     def UpdateSettings(self, request, context):
         """Changes the global settings: the kill switch, the daily cap, the local day's time zone,
-        cooldowns, holds, retention. Fields left unset keep their value.
+        cooldowns, holds, retention, what "stale" means. Fields left unset keep their value. Spend
+        never drops by a change (a new time zone moves today's counters to its date).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetSettings(self, request, context):
-        """Reads the global settings and today's spend.
+        """Reads the global settings and today's spend; the overrides are this replica's environment
+        and every live replica's, as every claim applies them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -368,7 +379,9 @@ class GenerationDataServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListStaleTasks(self, request, context):
-        """The watchdog's list: tasks that can never finish on their own (see StaleReason).
+        """The watchdog's list: tasks that can never finish on their own (see StaleReason), judged by
+        generation.stale_reason_v1 with the stored thresholds (Settings). The WHERE clause is only
+        what stale_reason_v1 implies, so the indexes narrow the rows it is asked about.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -405,11 +418,11 @@ class GenerationDataServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SettleTask(self, request, context):
-        """Settles a terminal task's reservation exactly once: completed charges the reported usage (at
-        most the reservation) and refunds the rest; failed refunds it all. The settlements primary
-        key makes a second settlement, however concurrent, a no-op; `settled_now` tells who won.
-        DO UPDATE (a no-op write) rather than DO NOTHING: it returns the winner's row even to a
-        loser whose snapshot predates the winner's commit.
+        """Settles a terminal task's reservation exactly once per settlement round: completed charges
+        the reported usage (at most the reservation) and refunds the rest; any other end refunds it
+        all. The task is locked first, so a RetryTask or REQUEUE racing it either comes first (not
+        terminal: nothing settles) or sees the settlement and opens a new round. `settled_now`
+        tells the one call that made it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

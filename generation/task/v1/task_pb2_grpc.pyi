@@ -47,52 +47,61 @@ class GenerationDataServiceStub:
     already settled is replaced by this request's and settles in a new round, one not yet
     settled is kept and settles once, as in RetryTask); a different input is
     ALREADY_EXISTS. The conflict path writes a no-op update because that returns the row even
-    when a concurrent duplicate committed after this statement's snapshot.
+    when a concurrent duplicate committed after this statement's snapshot; it locks the row, so
+    a REQUEUE and a SettleTask of the task are ordered. A requeue appends a `requeued` event
+    (its `queued_at` is this statement's now(): nothing else sets it so in an older row).
     """
     QueueTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.QueueTasksRequest, _task_pb2.QueueTasksResponse]
     """Enqueues many tasks of one tool in one statement. Items whose idempotency_key is already
     used are skipped (their tasks are not returned).
     """
     ClaimNextTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.ClaimNextTaskRequest, _task_pb2.ClaimNextTaskResponse]
-    """Claims the next task of a tool: one UPDATE whose target is picked by a locked sub-select.
-    With `wait`, a claim that finds nothing parks in the service until a task for the tool is
-    committed (woken in-process, or through Redis from other replicas), re-checking at least
-    every GENQ_CLAIM_RECHECK_SECONDS, and returns empty when the wait runs out.
-    Order: reclaimed zombies first, then priority (higher first), then FIFO. A zombie reclaim
-    costs one retry; a fresh claim does not. Rows whose retries are used up are never claimed.
-    The partial index tasks_claim_idx serves the sub-select as an index-ordered top-1 whatever
-    the backlog, the tasks in flight or the statistics (see docs/ARCHITECTURE.md).
+    """Claims the next task of a tool (generation.claim_tasks_v1 with a limit of 1: one UPDATE of
+    the row a locked, index-ordered sub-select picked). With `wait`, a claim that finds nothing
+    parks in the service until a task for the tool is committed (woken in-process, or through
+    Redis from other replicas), re-checking at least every GENQ_CLAIM_RECHECK_SECONDS, and
+    returns empty when the wait runs out.
+    Order: reclaimed zombies first, then priority (higher first), then FIFO. Rows whose retries
+    are used up are never claimed. A claim costs no retry: a run is charged when it ends
+    unsuccessfully, and only once its worker confirmed the claim (its first heartbeat, event or
+    report). When the caller's deadline passes before the answer leaves, the service hands the
+    task straight back (release_task_v1 with p_unconfirmed); an answer lost on the way costs
+    nothing either: the unconfirmed lease lapses and the task is queued again, first in line.
     """
     HeartbeatTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.HeartbeatTaskRequest, _task_pb2.HeartbeatTaskResponse]
-    """Extends the lease of a task the caller still holds. A lapsed, stolen or finished lease is
-    ABORTED with ErrorInfo.reason LEASE_LOST. Touches no indexed column, so the update is HOT.
+    """Extends the lease of a task the caller still holds and confirms its claim; says whether a
+    cancel was asked for. A lapsed, stolen or finished lease is ABORTED with ErrorInfo.reason
+    LEASE_LOST. Touches no indexed column, so the update is HOT.
     """
     CompleteTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.CompleteTaskRequest, _task_pb2.CompleteTaskResponse]
-    """Marks a held task completed with its output and the usage reported for settlement, and
-    appends the terminal `completed` event to the task's event stream in the same statement.
-    The run's attempt is closed with its cost (kept even when the lease was lost). The same
-    lease completing again (a retry after a lost answer) gets the completed task back, once
-    more, with nothing changed.
+    """Marks a held task completed with its output and the usage reported for settlement (or
+    cancelled, when a cancel was asked for while it ran), closes the run's attempt with its cost
+    (kept even when the lease was lost) and appends the terminal event. The same lease
+    completing again (a retry after a lost answer, or two calls at once) gets the same task back.
     """
     FailTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.FailTaskRequest, _task_pb2.FailTaskResponse]
-    """Fails a task. With increment_retry it is requeued while retries remain and failed once they
-    are used up; without it the task is failed at once. A caller holding the lease presents its
-    token; the reaper presents none, and then the task must be stale at this moment (judged in
-    this statement by generation.stale_reason), so a forced fail can never kill a live task;
-    a refused forced fail is FAILED_PRECONDITION with reason TASK_NOT_STALE. Appends a
-    `failed` (terminal) or `requeued` event to the task's event stream in the same statement.
+    """Fails a held task (generation.fail_task_v1): retryable requeues it with full-jitter backoff
+    while retries remain (one retry used) and fails it once they are used up; permanent fails it
+    at once; account requeues it without using a retry and holds the group; cancelled ends it.
+    The reaper presents no token: then the task must be stale at this moment (judged under its
+    row lock by generation.stale_reason_v1 with the stored thresholds), so a forced fail can
+    never kill a live or deliberately waiting task; a refused forced fail is FAILED_PRECONDITION
+    with reason TASK_NOT_STALE. Appends a `failed` (terminal) or `requeued` event.
     """
     ReleaseTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.ReleaseTaskRequest, _task_pb2.ReleaseTaskResponse]
-    """Hands a held task back to the queue without using an attempt: a worker that stops on purpose
+    """Hands a held task back to the queue without using a retry: a worker that stops on purpose
     (SIGTERM drain) releases what it could not finish. Appends a `requeued` event.
     """
     CancelTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.CancelTaskRequest, _task_pb2.CancelTaskResponse]
-    """Cancels a task that has not finished: a queued one never runs; a running one loses its
-    lease (the worker's next heartbeat or report is LEASE_LOST) and its reservation is released.
+    """Cancels a task that has not finished: a queued one ends cancelled and never runs; a running
+    one is asked to stop (cancel_requested_at; a `cancel_requested` event): its worker learns it
+    on the next heartbeat, and the run ends cancelled when it reports, its cost recorded and its
+    reservation released then (or when its lease lapses). Cancelling again answers the same.
     """
     CancelTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.CancelTasksRequest, _task_pb2.CancelTasksResponse]
-    """Cancels, oldest first, up to `limit` queued tasks of a tool (and running ones with
-    include_processing), optionally only those whose idempotency key starts with a prefix.
+    """Cancels, oldest first, up to `limit` queued tasks of a tool (and asks running ones to stop,
+    with include_processing, as CancelTask does), optionally only those whose idempotency key
+    starts with a prefix.
     """
     RetryTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.RetryTaskRequest, _task_pb2.RetryTaskResponse]
     """Queues a failed, cancelled or expired task again with fresh retries. If its reservation was
@@ -106,10 +115,13 @@ class GenerationDataServiceStub:
     """Reads a tool: its settings and today's spend."""
     UpdateSettings: _grpc.UnaryUnaryMultiCallable[_task_pb2.UpdateSettingsRequest, _task_pb2.UpdateSettingsResponse]
     """Changes the global settings: the kill switch, the daily cap, the local day's time zone,
-    cooldowns, holds, retention. Fields left unset keep their value.
+    cooldowns, holds, retention, what "stale" means. Fields left unset keep their value. Spend
+    never drops by a change (a new time zone moves today's counters to its date).
     """
     GetSettings: _grpc.UnaryUnaryMultiCallable[_task_pb2.GetSettingsRequest, _task_pb2.GetSettingsResponse]
-    """Reads the global settings and today's spend."""
+    """Reads the global settings and today's spend; the overrides are this replica's environment
+    and every live replica's, as every claim applies them.
+    """
     ReleaseCooldown: _grpc.UnaryUnaryMultiCallable[_task_pb2.ReleaseCooldownRequest, _task_pb2.ReleaseCooldownResponse]
     """Ends a resource key's cooldown now."""
     ReleaseHold: _grpc.UnaryUnaryMultiCallable[_task_pb2.ReleaseHoldRequest, _task_pb2.ReleaseHoldResponse]
@@ -132,7 +144,10 @@ class GenerationDataServiceStub:
     GetStats: _grpc.UnaryUnaryMultiCallable[_task_pb2.GetStatsRequest, _task_pb2.GetStatsResponse]
     """Attempts and cost per local day and tool, from the attempts ledger."""
     ListStaleTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.ListStaleTasksRequest, _task_pb2.ListStaleTasksResponse]
-    """The watchdog's list: tasks that can never finish on their own (see StaleReason)."""
+    """The watchdog's list: tasks that can never finish on their own (see StaleReason), judged by
+    generation.stale_reason_v1 with the stored thresholds (Settings). The WHERE clause is only
+    what stale_reason_v1 implies, so the indexes narrow the rows it is asked about.
+    """
     GetTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.GetTaskRequest, _task_pb2.GetTaskResponse]
     """Reads one task."""
     PublishTaskEvent: _grpc.UnaryUnaryMultiCallable[_task_pb2.PublishTaskEventRequest, _task_pb2.PublishTaskEventResponse]
@@ -145,11 +160,11 @@ class GenerationDataServiceStub:
     ListUnsettledTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.ListUnsettledTasksRequest, _task_pb2.ListUnsettledTasksResponse]
     """Terminal tasks holding a reservation that no settlement has settled yet, oldest first."""
     SettleTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.SettleTaskRequest, _task_pb2.SettleTaskResponse]
-    """Settles a terminal task's reservation exactly once: completed charges the reported usage (at
-    most the reservation) and refunds the rest; failed refunds it all. The settlements primary
-    key makes a second settlement, however concurrent, a no-op; `settled_now` tells who won.
-    DO UPDATE (a no-op write) rather than DO NOTHING: it returns the winner's row even to a
-    loser whose snapshot predates the winner's commit.
+    """Settles a terminal task's reservation exactly once per settlement round: completed charges
+    the reported usage (at most the reservation) and refunds the rest; any other end refunds it
+    all. The task is locked first, so a RetryTask or REQUEUE racing it either comes first (not
+    terminal: nothing settles) or sees the settlement and opens a new round. `settled_now`
+    tells the one call that made it.
     """
 
 @_typing.type_check_only
@@ -171,52 +186,61 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     already settled is replaced by this request's and settles in a new round, one not yet
     settled is kept and settles once, as in RetryTask); a different input is
     ALREADY_EXISTS. The conflict path writes a no-op update because that returns the row even
-    when a concurrent duplicate committed after this statement's snapshot.
+    when a concurrent duplicate committed after this statement's snapshot; it locks the row, so
+    a REQUEUE and a SettleTask of the task are ordered. A requeue appends a `requeued` event
+    (its `queued_at` is this statement's now(): nothing else sets it so in an older row).
     """
     QueueTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.QueueTasksRequest, _task_pb2.QueueTasksResponse]  # type: ignore[assignment]
     """Enqueues many tasks of one tool in one statement. Items whose idempotency_key is already
     used are skipped (their tasks are not returned).
     """
     ClaimNextTask: _aio.UnaryUnaryMultiCallable[_task_pb2.ClaimNextTaskRequest, _task_pb2.ClaimNextTaskResponse]  # type: ignore[assignment]
-    """Claims the next task of a tool: one UPDATE whose target is picked by a locked sub-select.
-    With `wait`, a claim that finds nothing parks in the service until a task for the tool is
-    committed (woken in-process, or through Redis from other replicas), re-checking at least
-    every GENQ_CLAIM_RECHECK_SECONDS, and returns empty when the wait runs out.
-    Order: reclaimed zombies first, then priority (higher first), then FIFO. A zombie reclaim
-    costs one retry; a fresh claim does not. Rows whose retries are used up are never claimed.
-    The partial index tasks_claim_idx serves the sub-select as an index-ordered top-1 whatever
-    the backlog, the tasks in flight or the statistics (see docs/ARCHITECTURE.md).
+    """Claims the next task of a tool (generation.claim_tasks_v1 with a limit of 1: one UPDATE of
+    the row a locked, index-ordered sub-select picked). With `wait`, a claim that finds nothing
+    parks in the service until a task for the tool is committed (woken in-process, or through
+    Redis from other replicas), re-checking at least every GENQ_CLAIM_RECHECK_SECONDS, and
+    returns empty when the wait runs out.
+    Order: reclaimed zombies first, then priority (higher first), then FIFO. Rows whose retries
+    are used up are never claimed. A claim costs no retry: a run is charged when it ends
+    unsuccessfully, and only once its worker confirmed the claim (its first heartbeat, event or
+    report). When the caller's deadline passes before the answer leaves, the service hands the
+    task straight back (release_task_v1 with p_unconfirmed); an answer lost on the way costs
+    nothing either: the unconfirmed lease lapses and the task is queued again, first in line.
     """
     HeartbeatTask: _aio.UnaryUnaryMultiCallable[_task_pb2.HeartbeatTaskRequest, _task_pb2.HeartbeatTaskResponse]  # type: ignore[assignment]
-    """Extends the lease of a task the caller still holds. A lapsed, stolen or finished lease is
-    ABORTED with ErrorInfo.reason LEASE_LOST. Touches no indexed column, so the update is HOT.
+    """Extends the lease of a task the caller still holds and confirms its claim; says whether a
+    cancel was asked for. A lapsed, stolen or finished lease is ABORTED with ErrorInfo.reason
+    LEASE_LOST. Touches no indexed column, so the update is HOT.
     """
     CompleteTask: _aio.UnaryUnaryMultiCallable[_task_pb2.CompleteTaskRequest, _task_pb2.CompleteTaskResponse]  # type: ignore[assignment]
-    """Marks a held task completed with its output and the usage reported for settlement, and
-    appends the terminal `completed` event to the task's event stream in the same statement.
-    The run's attempt is closed with its cost (kept even when the lease was lost). The same
-    lease completing again (a retry after a lost answer) gets the completed task back, once
-    more, with nothing changed.
+    """Marks a held task completed with its output and the usage reported for settlement (or
+    cancelled, when a cancel was asked for while it ran), closes the run's attempt with its cost
+    (kept even when the lease was lost) and appends the terminal event. The same lease
+    completing again (a retry after a lost answer, or two calls at once) gets the same task back.
     """
     FailTask: _aio.UnaryUnaryMultiCallable[_task_pb2.FailTaskRequest, _task_pb2.FailTaskResponse]  # type: ignore[assignment]
-    """Fails a task. With increment_retry it is requeued while retries remain and failed once they
-    are used up; without it the task is failed at once. A caller holding the lease presents its
-    token; the reaper presents none, and then the task must be stale at this moment (judged in
-    this statement by generation.stale_reason), so a forced fail can never kill a live task;
-    a refused forced fail is FAILED_PRECONDITION with reason TASK_NOT_STALE. Appends a
-    `failed` (terminal) or `requeued` event to the task's event stream in the same statement.
+    """Fails a held task (generation.fail_task_v1): retryable requeues it with full-jitter backoff
+    while retries remain (one retry used) and fails it once they are used up; permanent fails it
+    at once; account requeues it without using a retry and holds the group; cancelled ends it.
+    The reaper presents no token: then the task must be stale at this moment (judged under its
+    row lock by generation.stale_reason_v1 with the stored thresholds), so a forced fail can
+    never kill a live or deliberately waiting task; a refused forced fail is FAILED_PRECONDITION
+    with reason TASK_NOT_STALE. Appends a `failed` (terminal) or `requeued` event.
     """
     ReleaseTask: _aio.UnaryUnaryMultiCallable[_task_pb2.ReleaseTaskRequest, _task_pb2.ReleaseTaskResponse]  # type: ignore[assignment]
-    """Hands a held task back to the queue without using an attempt: a worker that stops on purpose
+    """Hands a held task back to the queue without using a retry: a worker that stops on purpose
     (SIGTERM drain) releases what it could not finish. Appends a `requeued` event.
     """
     CancelTask: _aio.UnaryUnaryMultiCallable[_task_pb2.CancelTaskRequest, _task_pb2.CancelTaskResponse]  # type: ignore[assignment]
-    """Cancels a task that has not finished: a queued one never runs; a running one loses its
-    lease (the worker's next heartbeat or report is LEASE_LOST) and its reservation is released.
+    """Cancels a task that has not finished: a queued one ends cancelled and never runs; a running
+    one is asked to stop (cancel_requested_at; a `cancel_requested` event): its worker learns it
+    on the next heartbeat, and the run ends cancelled when it reports, its cost recorded and its
+    reservation released then (or when its lease lapses). Cancelling again answers the same.
     """
     CancelTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.CancelTasksRequest, _task_pb2.CancelTasksResponse]  # type: ignore[assignment]
-    """Cancels, oldest first, up to `limit` queued tasks of a tool (and running ones with
-    include_processing), optionally only those whose idempotency key starts with a prefix.
+    """Cancels, oldest first, up to `limit` queued tasks of a tool (and asks running ones to stop,
+    with include_processing, as CancelTask does), optionally only those whose idempotency key
+    starts with a prefix.
     """
     RetryTask: _aio.UnaryUnaryMultiCallable[_task_pb2.RetryTaskRequest, _task_pb2.RetryTaskResponse]  # type: ignore[assignment]
     """Queues a failed, cancelled or expired task again with fresh retries. If its reservation was
@@ -230,10 +254,13 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     """Reads a tool: its settings and today's spend."""
     UpdateSettings: _aio.UnaryUnaryMultiCallable[_task_pb2.UpdateSettingsRequest, _task_pb2.UpdateSettingsResponse]  # type: ignore[assignment]
     """Changes the global settings: the kill switch, the daily cap, the local day's time zone,
-    cooldowns, holds, retention. Fields left unset keep their value.
+    cooldowns, holds, retention, what "stale" means. Fields left unset keep their value. Spend
+    never drops by a change (a new time zone moves today's counters to its date).
     """
     GetSettings: _aio.UnaryUnaryMultiCallable[_task_pb2.GetSettingsRequest, _task_pb2.GetSettingsResponse]  # type: ignore[assignment]
-    """Reads the global settings and today's spend."""
+    """Reads the global settings and today's spend; the overrides are this replica's environment
+    and every live replica's, as every claim applies them.
+    """
     ReleaseCooldown: _aio.UnaryUnaryMultiCallable[_task_pb2.ReleaseCooldownRequest, _task_pb2.ReleaseCooldownResponse]  # type: ignore[assignment]
     """Ends a resource key's cooldown now."""
     ReleaseHold: _aio.UnaryUnaryMultiCallable[_task_pb2.ReleaseHoldRequest, _task_pb2.ReleaseHoldResponse]  # type: ignore[assignment]
@@ -256,7 +283,10 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     GetStats: _aio.UnaryUnaryMultiCallable[_task_pb2.GetStatsRequest, _task_pb2.GetStatsResponse]  # type: ignore[assignment]
     """Attempts and cost per local day and tool, from the attempts ledger."""
     ListStaleTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.ListStaleTasksRequest, _task_pb2.ListStaleTasksResponse]  # type: ignore[assignment]
-    """The watchdog's list: tasks that can never finish on their own (see StaleReason)."""
+    """The watchdog's list: tasks that can never finish on their own (see StaleReason), judged by
+    generation.stale_reason_v1 with the stored thresholds (Settings). The WHERE clause is only
+    what stale_reason_v1 implies, so the indexes narrow the rows it is asked about.
+    """
     GetTask: _aio.UnaryUnaryMultiCallable[_task_pb2.GetTaskRequest, _task_pb2.GetTaskResponse]  # type: ignore[assignment]
     """Reads one task."""
     PublishTaskEvent: _aio.UnaryUnaryMultiCallable[_task_pb2.PublishTaskEventRequest, _task_pb2.PublishTaskEventResponse]  # type: ignore[assignment]
@@ -269,11 +299,11 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     ListUnsettledTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.ListUnsettledTasksRequest, _task_pb2.ListUnsettledTasksResponse]  # type: ignore[assignment]
     """Terminal tasks holding a reservation that no settlement has settled yet, oldest first."""
     SettleTask: _aio.UnaryUnaryMultiCallable[_task_pb2.SettleTaskRequest, _task_pb2.SettleTaskResponse]  # type: ignore[assignment]
-    """Settles a terminal task's reservation exactly once: completed charges the reported usage (at
-    most the reservation) and refunds the rest; failed refunds it all. The settlements primary
-    key makes a second settlement, however concurrent, a no-op; `settled_now` tells who won.
-    DO UPDATE (a no-op write) rather than DO NOTHING: it returns the winner's row even to a
-    loser whose snapshot predates the winner's commit.
+    """Settles a terminal task's reservation exactly once per settlement round: completed charges
+    the reported usage (at most the reservation) and refunds the rest; any other end refunds it
+    all. The task is locked first, so a RetryTask or REQUEUE racing it either comes first (not
+    terminal: nothing settles) or sees the settlement and opens a new round. `settled_now`
+    tells the one call that made it.
     """
 
 class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -304,7 +334,9 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         already settled is replaced by this request's and settles in a new round, one not yet
         settled is kept and settles once, as in RetryTask); a different input is
         ALREADY_EXISTS. The conflict path writes a no-op update because that returns the row even
-        when a concurrent duplicate committed after this statement's snapshot.
+        when a concurrent duplicate committed after this statement's snapshot; it locks the row, so
+        a REQUEUE and a SettleTask of the task are ordered. A requeue appends a `requeued` event
+        (its `queued_at` is this statement's now(): nothing else sets it so in an older row).
         """
 
     @_abc_1.abstractmethod
@@ -323,14 +355,17 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _task_pb2.ClaimNextTaskRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.ClaimNextTaskResponse, _abc.Awaitable[_task_pb2.ClaimNextTaskResponse]]:
-        """Claims the next task of a tool: one UPDATE whose target is picked by a locked sub-select.
-        With `wait`, a claim that finds nothing parks in the service until a task for the tool is
-        committed (woken in-process, or through Redis from other replicas), re-checking at least
-        every GENQ_CLAIM_RECHECK_SECONDS, and returns empty when the wait runs out.
-        Order: reclaimed zombies first, then priority (higher first), then FIFO. A zombie reclaim
-        costs one retry; a fresh claim does not. Rows whose retries are used up are never claimed.
-        The partial index tasks_claim_idx serves the sub-select as an index-ordered top-1 whatever
-        the backlog, the tasks in flight or the statistics (see docs/ARCHITECTURE.md).
+        """Claims the next task of a tool (generation.claim_tasks_v1 with a limit of 1: one UPDATE of
+        the row a locked, index-ordered sub-select picked). With `wait`, a claim that finds nothing
+        parks in the service until a task for the tool is committed (woken in-process, or through
+        Redis from other replicas), re-checking at least every GENQ_CLAIM_RECHECK_SECONDS, and
+        returns empty when the wait runs out.
+        Order: reclaimed zombies first, then priority (higher first), then FIFO. Rows whose retries
+        are used up are never claimed. A claim costs no retry: a run is charged when it ends
+        unsuccessfully, and only once its worker confirmed the claim (its first heartbeat, event or
+        report). When the caller's deadline passes before the answer leaves, the service hands the
+        task straight back (release_task_v1 with p_unconfirmed); an answer lost on the way costs
+        nothing either: the unconfirmed lease lapses and the task is queued again, first in line.
         """
 
     @_abc_1.abstractmethod
@@ -339,8 +374,9 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _task_pb2.HeartbeatTaskRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.HeartbeatTaskResponse, _abc.Awaitable[_task_pb2.HeartbeatTaskResponse]]:
-        """Extends the lease of a task the caller still holds. A lapsed, stolen or finished lease is
-        ABORTED with ErrorInfo.reason LEASE_LOST. Touches no indexed column, so the update is HOT.
+        """Extends the lease of a task the caller still holds and confirms its claim; says whether a
+        cancel was asked for. A lapsed, stolen or finished lease is ABORTED with ErrorInfo.reason
+        LEASE_LOST. Touches no indexed column, so the update is HOT.
         """
 
     @_abc_1.abstractmethod
@@ -349,11 +385,10 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _task_pb2.CompleteTaskRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.CompleteTaskResponse, _abc.Awaitable[_task_pb2.CompleteTaskResponse]]:
-        """Marks a held task completed with its output and the usage reported for settlement, and
-        appends the terminal `completed` event to the task's event stream in the same statement.
-        The run's attempt is closed with its cost (kept even when the lease was lost). The same
-        lease completing again (a retry after a lost answer) gets the completed task back, once
-        more, with nothing changed.
+        """Marks a held task completed with its output and the usage reported for settlement (or
+        cancelled, when a cancel was asked for while it ran), closes the run's attempt with its cost
+        (kept even when the lease was lost) and appends the terminal event. The same lease
+        completing again (a retry after a lost answer, or two calls at once) gets the same task back.
         """
 
     @_abc_1.abstractmethod
@@ -362,12 +397,13 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _task_pb2.FailTaskRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.FailTaskResponse, _abc.Awaitable[_task_pb2.FailTaskResponse]]:
-        """Fails a task. With increment_retry it is requeued while retries remain and failed once they
-        are used up; without it the task is failed at once. A caller holding the lease presents its
-        token; the reaper presents none, and then the task must be stale at this moment (judged in
-        this statement by generation.stale_reason), so a forced fail can never kill a live task;
-        a refused forced fail is FAILED_PRECONDITION with reason TASK_NOT_STALE. Appends a
-        `failed` (terminal) or `requeued` event to the task's event stream in the same statement.
+        """Fails a held task (generation.fail_task_v1): retryable requeues it with full-jitter backoff
+        while retries remain (one retry used) and fails it once they are used up; permanent fails it
+        at once; account requeues it without using a retry and holds the group; cancelled ends it.
+        The reaper presents no token: then the task must be stale at this moment (judged under its
+        row lock by generation.stale_reason_v1 with the stored thresholds), so a forced fail can
+        never kill a live or deliberately waiting task; a refused forced fail is FAILED_PRECONDITION
+        with reason TASK_NOT_STALE. Appends a `failed` (terminal) or `requeued` event.
         """
 
     @_abc_1.abstractmethod
@@ -376,7 +412,7 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _task_pb2.ReleaseTaskRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.ReleaseTaskResponse, _abc.Awaitable[_task_pb2.ReleaseTaskResponse]]:
-        """Hands a held task back to the queue without using an attempt: a worker that stops on purpose
+        """Hands a held task back to the queue without using a retry: a worker that stops on purpose
         (SIGTERM drain) releases what it could not finish. Appends a `requeued` event.
         """
 
@@ -386,8 +422,10 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _task_pb2.CancelTaskRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.CancelTaskResponse, _abc.Awaitable[_task_pb2.CancelTaskResponse]]:
-        """Cancels a task that has not finished: a queued one never runs; a running one loses its
-        lease (the worker's next heartbeat or report is LEASE_LOST) and its reservation is released.
+        """Cancels a task that has not finished: a queued one ends cancelled and never runs; a running
+        one is asked to stop (cancel_requested_at; a `cancel_requested` event): its worker learns it
+        on the next heartbeat, and the run ends cancelled when it reports, its cost recorded and its
+        reservation released then (or when its lease lapses). Cancelling again answers the same.
         """
 
     @_abc_1.abstractmethod
@@ -396,8 +434,9 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _task_pb2.CancelTasksRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.CancelTasksResponse, _abc.Awaitable[_task_pb2.CancelTasksResponse]]:
-        """Cancels, oldest first, up to `limit` queued tasks of a tool (and running ones with
-        include_processing), optionally only those whose idempotency key starts with a prefix.
+        """Cancels, oldest first, up to `limit` queued tasks of a tool (and asks running ones to stop,
+        with include_processing, as CancelTask does), optionally only those whose idempotency key
+        starts with a prefix.
         """
 
     @_abc_1.abstractmethod
@@ -435,7 +474,8 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.UpdateSettingsResponse, _abc.Awaitable[_task_pb2.UpdateSettingsResponse]]:
         """Changes the global settings: the kill switch, the daily cap, the local day's time zone,
-        cooldowns, holds, retention. Fields left unset keep their value.
+        cooldowns, holds, retention, what "stale" means. Fields left unset keep their value. Spend
+        never drops by a change (a new time zone moves today's counters to its date).
         """
 
     @_abc_1.abstractmethod
@@ -444,7 +484,9 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _task_pb2.GetSettingsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.GetSettingsResponse, _abc.Awaitable[_task_pb2.GetSettingsResponse]]:
-        """Reads the global settings and today's spend."""
+        """Reads the global settings and today's spend; the overrides are this replica's environment
+        and every live replica's, as every claim applies them.
+        """
 
     @_abc_1.abstractmethod
     def ReleaseCooldown(
@@ -509,7 +551,10 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _task_pb2.ListStaleTasksRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.ListStaleTasksResponse, _abc.Awaitable[_task_pb2.ListStaleTasksResponse]]:
-        """The watchdog's list: tasks that can never finish on their own (see StaleReason)."""
+        """The watchdog's list: tasks that can never finish on their own (see StaleReason), judged by
+        generation.stale_reason_v1 with the stored thresholds (Settings). The WHERE clause is only
+        what stale_reason_v1 implies, so the indexes narrow the rows it is asked about.
+        """
 
     @_abc_1.abstractmethod
     def GetTask(
@@ -552,11 +597,11 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _task_pb2.SettleTaskRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.SettleTaskResponse, _abc.Awaitable[_task_pb2.SettleTaskResponse]]:
-        """Settles a terminal task's reservation exactly once: completed charges the reported usage (at
-        most the reservation) and refunds the rest; failed refunds it all. The settlements primary
-        key makes a second settlement, however concurrent, a no-op; `settled_now` tells who won.
-        DO UPDATE (a no-op write) rather than DO NOTHING: it returns the winner's row even to a
-        loser whose snapshot predates the winner's commit.
+        """Settles a terminal task's reservation exactly once per settlement round: completed charges
+        the reported usage (at most the reservation) and refunds the rest; any other end refunds it
+        all. The task is locked first, so a RetryTask or REQUEUE racing it either comes first (not
+        terminal: nothing settles) or sees the settlement and opens a new round. `settled_now`
+        tells the one call that made it.
         """
 
 def add_GenerationDataServiceServicer_to_server(servicer: GenerationDataServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

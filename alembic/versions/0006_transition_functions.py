@@ -1,0 +1,1234 @@
+"""Every write transition is one versioned PL/pgSQL function; runs counted when they end.
+
+- claim, heartbeat, complete, fail, reap, release, cancel, retry, rescue, expire, settle,
+  publish and the settings change become `generation.*_v1` functions that lock first, then
+  decide, in the one lock order of docs/ARCHITECTURE.md;
+- a claim counts as a run once its worker confirms it (tasks.lease_confirmed); lapsed
+  unconfirmed claims cost no retry (tasks.unconfirmed_claims bounds them);
+- cancel of a running task is a request (tasks.cancel_requested_at);
+- event sequences count per task (tasks.last_event_seq), in commit order;
+- the watchdog's clock (tasks.queued_at, tool_polls, gates_changed_at) and thresholds (settings);
+- every live replica's environment overrides (replica_overrides); a 10 s lease floor.
+
+The functions replace the statements of the code before it, so this one revision is a
+stop-the-world upgrade (docs/OPERATIONS.md, "Upgrading"); later changes add `_v2` beside `_v1`.
+
+Revision ID: 0006
+Revises: 0005
+Create Date: 2026-12-01
+"""
+
+from alembic import op
+
+revision = "0006"
+down_revision = "0005"
+branch_labels = None
+depends_on = None
+
+UPGRADE = r"""
+ALTER TYPE generation.task_event_kind ADD VALUE IF NOT EXISTS 'started';
+ALTER TYPE generation.task_event_kind ADD VALUE IF NOT EXISTS 'cancel_requested';
+ALTER TYPE generation.attempt_outcome ADD VALUE IF NOT EXISTS 'unconfirmed';
+
+DROP FUNCTION generation.close_attempt(uuid, uuid, generation.attempt_outcome, bigint, boolean);
+DROP FUNCTION generation.stale_reason(generation.tasks, interval, interval);
+DROP FUNCTION generation.within_cap(bigint, date, date, bigint, bigint, bigint);
+
+ALTER TABLE generation.tasks
+    ADD COLUMN queued_at timestamptz NOT NULL DEFAULT now(),
+    ADD COLUMN lease_confirmed boolean NOT NULL DEFAULT false,
+    ADD COLUMN unconfirmed_claims integer NOT NULL DEFAULT 0,
+    ADD COLUMN cancel_requested_at timestamptz,
+    ADD COLUMN last_event_seq bigint NOT NULL DEFAULT 0;
+-- Leases held when this revision lands were claimed by workers that heartbeat: confirmed.
+UPDATE generation.tasks SET lease_confirmed = true WHERE status = 'processing';
+DROP INDEX generation.tasks_waiting_idx;
+CREATE INDEX tasks_waiting_idx ON generation.tasks (queued_at) WHERE status IN ('queued', 'dispatched');
+
+-- Event sequences count per task from now on; existing streams keep their numbers.
+ALTER TABLE generation.task_events ALTER COLUMN sequence DROP IDENTITY;
+UPDATE generation.tasks AS t SET last_event_seq = e.last
+FROM (SELECT task_id, max(sequence) AS last FROM generation.task_events GROUP BY task_id) AS e
+WHERE e.task_id = t.id;
+
+ALTER TABLE generation.settings
+    ADD COLUMN processing_grace_seconds integer NOT NULL DEFAULT 120,
+    ADD COLUMN queued_max_age_seconds integer NOT NULL DEFAULT 900,
+    ADD COLUMN gates_changed_at timestamptz NOT NULL DEFAULT now(),
+    ADD CONSTRAINT settings_stale_thresholds_positive
+        CHECK (processing_grace_seconds >= 1 AND queued_max_age_seconds >= 1);
+
+UPDATE generation.tools SET lease_seconds = 10 WHERE lease_seconds < 10;
+ALTER TABLE generation.tools
+    DROP CONSTRAINT tools_lease_positive,
+    ADD CONSTRAINT tools_lease_floor CHECK (lease_seconds >= 10),
+    ADD COLUMN gates_changed_at timestamptz NOT NULL DEFAULT now();
+
+-- When a worker last asked for each tool's work (a claim call, claimed or not).
+CREATE TABLE generation.tool_polls (
+    tool_id uuid PRIMARY KEY,
+    polled_at timestamptz NOT NULL
+);
+
+-- Each running replica's kill-switch and cap overrides from its environment, refreshed while it
+-- runs: gates_v1 applies every live one to every replica's claims.
+CREATE TABLE generation.replica_overrides (
+    replica_id uuid PRIMARY KEY,
+    disabled boolean NOT NULL,
+    daily_cap_nanos bigint,
+    seen_at timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT replica_overrides_cap_nonnegative CHECK (daily_cap_nanos >= 0)
+);
+
+-- Whether a cost fits under a cap, given the spend counters: spend counts on `today` only, an
+-- estimate must fit (<= cap), and a task estimated at 0 needs the total strictly below the cap.
+-- A NULL cap never binds (a tool without a cap of its own). Summed in numeric: no overflow.
+CREATE FUNCTION generation.within_cap_v1(
+    spent bigint, spent_day date, today date, reserved bigint, estimate bigint, cap bigint
+) RETURNS boolean
+LANGUAGE sql IMMUTABLE
+AS $$
+    SELECT cap IS NULL OR CASE
+        WHEN estimate > 0
+            THEN (CASE WHEN spent_day = today THEN spent ELSE 0 END)::numeric + reserved + estimate <= cap
+        ELSE (CASE WHEN spent_day = today THEN spent ELSE 0 END)::numeric + reserved < cap
+    END
+$$;
+
+-- The kill switch and the global cap in force: the stored settings, overridden by this replica's
+-- environment (p_disabled, p_cap) and by every live replica's (generation.replica_overrides), so
+-- an override in one replica's environment binds every replica's claims while it runs.
+CREATE FUNCTION generation.gates_v1(p_disabled boolean, p_cap bigint)
+RETURNS TABLE (running boolean, cap bigint, disabled_by_environment boolean, cap_override bigint)
+LANGUAGE sql STABLE
+AS $$
+    SELECT s.enabled AND NOT o.disabled, COALESCE(o.cap, s.daily_cap_nanos, 0), o.disabled, o.cap
+    FROM generation.settings AS s,
+         (SELECT p_disabled OR COALESCE(bool_or(r.disabled), false) AS disabled,
+                 LEAST(p_cap, min(r.daily_cap_nanos)) AS cap
+          FROM generation.replica_overrides AS r
+          WHERE r.seen_at > now() - interval '30 seconds') AS o
+$$;
+
+-- Why a live task can never finish on its own, or NULL: the one definition of "stale" for
+-- ListStaleTasks, the status page and the reaper (reap_task_v1), with the stored thresholds.
+-- A queued task is abandoned only when nothing deliberate holds it now (switch, cap, pause) and
+-- it could have run for queued_max_age with no worker asking for its tool's work: the wait
+-- counts from the latest of its queueing, its run_after, a change of the gates, the end of a
+-- cooldown or hold, the start of the local day (a new day's cap), and the last claim call.
+CREATE FUNCTION generation.stale_reason_v1(t generation.tasks) RETURNS text
+LANGUAGE sql STABLE
+AS $$
+    SELECT CASE
+        WHEN t.status = 'processing' THEN
+            CASE WHEN t.claim_expires_at < now() - make_interval(secs => s.processing_grace_seconds)
+                 THEN 'dead_zombie' END
+        WHEN t.status NOT IN ('queued', 'dispatched') THEN NULL
+        WHEN t.retry_count >= t.max_retries THEN 'unclaimable'
+        WHEN GREATEST(t.queued_at, t.run_at) > now() - make_interval(secs => s.queued_max_age_seconds)
+            THEN NULL
+        WHEN t.status = 'dispatched' THEN 'abandoned'
+        WHEN GREATEST(
+                s.gates_changed_at, tool.gates_changed_at,
+                (date_trunc('day', now() AT TIME ZONE s.timezone)) AT TIME ZONE s.timezone,
+                (SELECT p.polled_at FROM generation.tool_polls AS p WHERE p.tool_id = t.tool_id),
+                (SELECT c.cooling_until FROM generation.cooldowns AS c
+                 WHERE c.resource_key = COALESCE(t.resource_key, tool.resource_key, tool.name)),
+                (SELECT h.held_until FROM generation.holds AS h
+                 WHERE h.account_group = COALESCE(t.account_group, tool.account_group, tool.name)),
+                (SELECT max(r.seen_at) FROM generation.replica_overrides AS r WHERE r.disabled)
+             ) > now() - make_interval(secs => s.queued_max_age_seconds) THEN NULL
+        WHEN NOT g.running OR tool.paused OR g.cap = 0 THEN NULL
+        WHEN NOT generation.within_cap_v1(
+                s.spent_nanos, s.spent_day, (now() AT TIME ZONE s.timezone)::date, s.reserved_nanos,
+                COALESCE(t.cost_estimate_nanos, tool.cost_estimate_nanos), g.cap)
+          OR NOT generation.within_cap_v1(
+                tool.spent_nanos, tool.spent_day, (now() AT TIME ZONE s.timezone)::date,
+                tool.reserved_nanos, COALESCE(t.cost_estimate_nanos, tool.cost_estimate_nanos),
+                tool.daily_cap_nanos) THEN NULL
+        ELSE 'abandoned'
+    END
+    FROM generation.settings AS s, generation.gates_v1(false, NULL) AS g, generation.tools AS tool
+    WHERE tool.id = t.tool_id
+$$;
+
+-- Closes the attempt run under a lease and moves its money: the reservation is released (once),
+-- the cost is added to the spend of the day the attempt started (also for a late report under a
+-- lost lease: billed is billed), and the resource key's cooldown and the account group's hold
+-- are kept. A second close of the same attempt changes nothing, so a retried call cannot count
+-- twice. The caller holds the task's row lock.
+CREATE FUNCTION generation.close_attempt_v1(
+    p_task uuid, p_token uuid, p_closing generation.attempt_outcome, p_cost bigint,
+    p_retryable boolean
+) RETURNS generation.attempts
+LANGUAGE plpgsql
+AS $$
+#variable_conflict use_column
+DECLARE
+    a generation.attempts;
+    s generation.settings;
+    released bigint;
+    today date;
+BEGIN
+    -- 1. Lock the attempt, then decide: a run still open is closed; one closed when its lease
+    --    lapsed takes a late cost; any other is closed already and changes nothing.
+    SELECT * INTO a FROM generation.attempts WHERE task_id = p_task AND lease_token = p_token
+    FOR NO KEY UPDATE;
+    IF NOT FOUND OR a.outcome NOT IN ('running', 'abandoned', 'unconfirmed') THEN
+        RETURN a;
+    END IF;
+    released := CASE WHEN a.outcome = 'running' THEN a.estimate_nanos ELSE 0 END;
+    -- 2. Lock the spend rows the money moves on: settings, then the tool.
+    IF released > 0 OR p_cost > 0 THEN
+        SELECT * INTO s FROM generation.settings FOR NO KEY UPDATE;
+        PERFORM 1 FROM generation.tools WHERE id = a.tool_id FOR NO KEY UPDATE;
+    ELSE
+        SELECT * INTO s FROM generation.settings;
+    END IF;
+    -- 3. Close the run with its cost.
+    UPDATE generation.attempts
+    SET outcome = CASE WHEN a.outcome = 'running' THEN p_closing ELSE 'lease_lost' END,
+        cost_nanos = cost_nanos + p_cost,
+        ended_at = COALESCE(ended_at, now())
+    WHERE task_id = a.task_id AND attempt = a.attempt
+    RETURNING * INTO a;
+    -- 4. Move the money: release the reservation; the cost counts on the attempt's local day.
+    today := (now() AT TIME ZONE s.timezone)::date;
+    IF released > 0 OR p_cost > 0 THEN
+        UPDATE generation.settings
+        SET spent_nanos = CASE WHEN spent_day = today THEN spent_nanos ELSE 0 END
+                          + CASE WHEN a.local_day = today THEN p_cost ELSE 0 END,
+            spent_day = today,
+            reserved_nanos = reserved_nanos - released;
+        UPDATE generation.tools
+        SET spent_nanos = CASE WHEN spent_day = today THEN spent_nanos ELSE 0 END
+                          + CASE WHEN a.local_day = today THEN p_cost ELSE 0 END,
+            spent_day = today,
+            reserved_nanos = reserved_nanos - released
+        WHERE id = a.tool_id;
+    END IF;
+    -- 5. The key's run of failures (a cooldown after cooldown_threshold) and the group's hold.
+    IF a.outcome = 'completed' THEN
+        UPDATE generation.cooldowns SET consecutive_failures = 0
+        WHERE resource_key = a.resource_key AND consecutive_failures > 0;
+    ELSIF p_retryable AND a.outcome IN ('retry', 'failed') THEN
+        INSERT INTO generation.cooldowns AS c (resource_key, consecutive_failures, cooling_until)
+        VALUES (
+            a.resource_key,
+            CASE WHEN s.cooldown_threshold <= 1 THEN 0 ELSE 1 END,
+            CASE WHEN s.cooldown_threshold <= 1
+                 THEN now() + make_interval(secs => s.cooldown_seconds) END
+        )
+        ON CONFLICT (resource_key) DO UPDATE SET
+            consecutive_failures = CASE WHEN c.consecutive_failures + 1 >= s.cooldown_threshold
+                                        THEN 0 ELSE c.consecutive_failures + 1 END,
+            cooling_until = CASE WHEN c.consecutive_failures + 1 >= s.cooldown_threshold
+                                 THEN now() + make_interval(secs => s.cooldown_seconds)
+                                 ELSE c.cooling_until END;
+    ELSIF a.outcome = 'account_error' THEN
+        INSERT INTO generation.holds AS h (account_group, held_until, reason)
+        VALUES (a.account_group, now() + make_interval(secs => s.account_hold_seconds), 'account error')
+        ON CONFLICT (account_group) DO UPDATE
+        SET held_until = GREATEST(h.held_until, EXCLUDED.held_until), reason = EXCLUDED.reason;
+    END IF;
+    RETURN a;
+END
+$$;
+
+-- Appends the next event of a task's stream, numbered by the task's last_event_seq, which the
+-- caller's own UPDATE of the task has just raised. Sequences count per task and are taken under
+-- the task's row lock, so they follow commit order: a follower paging by sequence never skips
+-- one, and nothing follows the terminal event.
+CREATE FUNCTION generation.append_event_v1(
+    p_task uuid, p_kind generation.task_event_kind, p_data jsonb
+) RETURNS jsonb
+LANGUAGE plpgsql
+AS $$
+#variable_conflict use_column
+DECLARE
+    e generation.task_events;
+BEGIN
+    INSERT INTO generation.task_events (task_id, sequence, kind, data)
+    SELECT p_task, t.last_event_seq, p_kind, COALESCE(p_data, '{}')
+    FROM generation.tasks AS t WHERE t.id = p_task
+    RETURNING * INTO e;
+    RETURN to_jsonb(e);
+END
+$$;
+
+-- A claim whose answer never reached a worker (its lease lapsed unconfirmed, or the service saw
+-- the caller's deadline pass): the task goes back to the queue at once, first in line, and the
+-- run costs no retry: nothing ran. Claims lost this way are counted; at 20 the task fails with
+-- "claim answers lost", so a link that loses every answer cannot keep a task forever. A task
+-- whose cancel was asked for ends cancelled. The caller holds the task's row lock.
+CREATE FUNCTION generation.hand_back_unconfirmed_v1(t generation.tasks)
+RETURNS TABLE (task generation.tasks, event jsonb)
+LANGUAGE plpgsql
+AS $$
+#variable_conflict use_column
+DECLARE
+    ending text;
+    lost generation.tasks;
+BEGIN
+    ending := CASE WHEN t.cancel_requested_at IS NOT NULL THEN 'cancelled'
+                   WHEN t.unconfirmed_claims + 1 >= 20 THEN 'failed'
+                   ELSE 'requeued' END;
+    UPDATE generation.tasks AS q
+    SET status = CASE ending WHEN 'requeued' THEN 'queued' ELSE ending END::generation.task_status,
+        unconfirmed_claims = q.unconfirmed_claims + 1,
+        error = CASE ending WHEN 'failed' THEN 'claim answers lost: 20 claims never reached a worker'
+                            WHEN 'cancelled' THEN 'cancelled' ELSE q.error END,
+        completed_at = CASE WHEN ending = 'requeued' THEN NULL ELSE now() END,
+        reclaimed = (ending = 'requeued'),
+        queued_at = CASE ending WHEN 'requeued' THEN now() ELSE q.queued_at END,
+        lease_token = NULL, claim_expires_at = NULL, lease_confirmed = false,
+        last_event_seq = q.last_event_seq + 1
+    WHERE q.id = t.id
+    RETURNING q.* INTO lost;
+    PERFORM generation.close_attempt_v1(t.id, t.lease_token, 'unconfirmed', 0, false);
+    RETURN QUERY SELECT lost, generation.append_event_v1(
+        t.id, ending::generation.task_event_kind,
+        jsonb_build_object('reason', 'claim answer lost', 'unconfirmed_claims',
+                           lost.unconfirmed_claims, 'error', lost.error));
+END
+$$;
+
+-- Claims up to p_limit tasks of a tool, in claim order: reclaimed zombies first, then priority
+-- (higher first), then FIFO. Each starts a run: a fresh lease token, an attempt in the ledger,
+-- a `started` event. Spend is admitted task by task and the batch stops at the first task the
+-- caps have no room for. No retry is charged here: a run is charged when it ends unsuccessfully
+-- (and only once its worker confirmed the claim). With nothing claimed, one row says why.
+CREATE FUNCTION generation.claim_tasks_v1(
+    p_tool uuid, p_limit integer, p_lease_seconds integer, p_disabled boolean, p_cap bigint
+) RETURNS TABLE (task generation.tasks, lease_seconds integer, idle_reason text, event jsonb)
+LANGUAGE plpgsql
+AS $$
+#variable_conflict use_column
+DECLARE
+    tool generation.tools;
+    s generation.settings;
+    g record;
+    today date;
+    default_key text;
+    default_group text;
+    lease integer;
+    blocked text;
+    tool_cooling boolean;
+    tool_held boolean;
+    picked record;
+    ids uuid[] := '{}';
+    estimates bigint[] := '{}';
+    keys text[] := '{}';
+    groups text[] := '{}';
+    admitted uuid[] := '{}';
+    spend_locked boolean := false;
+    spend record;
+    tool_spend record;
+    reserving bigint := 0;
+    head record;
+    has_head boolean;
+BEGIN
+    -- 1. Read the gates, unlocked: the tool, the switch and the cap in force, its cooldown/hold.
+    SELECT * INTO tool FROM generation.tools WHERE id = p_tool;
+    IF NOT FOUND THEN
+        RETURN QUERY SELECT NULL::generation.tasks, NULL::integer, 'unknown_tool'::text, NULL::jsonb;
+        RETURN;
+    END IF;
+    SELECT * INTO s FROM generation.settings;
+    SELECT * INTO g FROM generation.gates_v1(p_disabled, p_cap);
+    today := (now() AT TIME ZONE s.timezone)::date;
+    default_key := COALESCE(tool.resource_key, tool.name);
+    default_group := COALESCE(tool.account_group, tool.name);
+    lease := COALESCE(tool.lease_seconds, p_lease_seconds);
+    blocked := CASE WHEN NOT g.running THEN 'disabled' WHEN tool.paused THEN 'paused'
+                    WHEN g.cap = 0 THEN 'capped' END;
+    tool_cooling := EXISTS (SELECT 1 FROM generation.cooldowns AS c
+                            WHERE c.resource_key = default_key AND c.cooling_until > now());
+    tool_held := EXISTS (SELECT 1 FROM generation.holds AS h
+                         WHERE h.account_group = default_group AND h.held_until > now());
+
+    IF blocked IS NULL AND NOT tool_cooling AND NOT tool_held THEN
+        -- 2. Lock up to p_limit claimable tasks in claim order, skipping rows other claimers
+        --    hold (tasks_claim_idx serves this as an index-ordered top-N).
+        FOR picked IN
+            SELECT q.id, COALESCE(q.cost_estimate_nanos, tool.cost_estimate_nanos) AS estimate,
+                   COALESCE(q.resource_key, default_key) AS resource_key,
+                   COALESCE(q.account_group, default_group) AS account_group
+            FROM generation.tasks AS q
+            WHERE q.tool_id = p_tool AND q.status = 'queued' AND q.retry_count < q.max_retries
+              AND q.run_at <= now() AND (q.expires_at IS NULL OR q.expires_at > now())
+              AND (q.resource_key IS NULL OR NOT EXISTS (
+                    SELECT 1 FROM generation.cooldowns AS c
+                    WHERE c.resource_key = q.resource_key AND c.cooling_until > now()))
+              AND (q.account_group IS NULL OR NOT EXISTS (
+                    SELECT 1 FROM generation.holds AS h
+                    WHERE h.account_group = q.account_group AND h.held_until > now()))
+            ORDER BY q.reclaimed DESC, q.priority DESC, q.run_at
+            LIMIT p_limit
+            FOR UPDATE OF q SKIP LOCKED
+        LOOP
+            ids := ids || picked.id;
+            estimates := estimates || picked.estimate;
+            keys := keys || picked.resource_key;
+            groups := groups || picked.account_group;
+        END LOOP;
+
+        -- 3. Admit in claim order under the global and the tool's cap. The spend rows are
+        --    locked (settings, then the tool) at the first task carrying an estimate; tasks
+        --    estimated at 0 reserve nothing and read the counters unlocked.
+        FOR i IN 1 .. COALESCE(array_length(ids, 1), 0) LOOP
+            IF estimates[i] > 0 AND NOT spend_locked THEN
+                SELECT st.spent_nanos, st.spent_day, st.reserved_nanos INTO spend
+                FROM generation.settings AS st FOR NO KEY UPDATE;
+                SELECT t.spent_nanos, t.spent_day, t.reserved_nanos INTO tool_spend
+                FROM generation.tools AS t WHERE t.id = p_tool FOR NO KEY UPDATE;
+                spend_locked := true;
+            ELSIF NOT spend_locked THEN
+                SELECT s.spent_nanos, s.spent_day, s.reserved_nanos INTO spend;
+                SELECT tool.spent_nanos, tool.spent_day, tool.reserved_nanos INTO tool_spend;
+            END IF;
+            EXIT WHEN NOT generation.within_cap_v1(
+                    spend.spent_nanos, spend.spent_day, today, spend.reserved_nanos + reserving,
+                    estimates[i], g.cap)
+                OR NOT generation.within_cap_v1(
+                    tool_spend.spent_nanos, tool_spend.spent_day, today,
+                    tool_spend.reserved_nanos + reserving, estimates[i], tool.daily_cap_nanos);
+            reserving := reserving + estimates[i];
+            admitted := admitted || ids[i];
+        END LOOP;
+    END IF;
+
+    -- 4. A worker asked for the tool's work (noted at most every 5 s): the watchdog's sign that
+    --    someone is coming for it.
+    INSERT INTO generation.tool_polls AS p (tool_id, polled_at)
+    SELECT p_tool, now()
+    WHERE NOT EXISTS (SELECT 1 FROM generation.tool_polls AS x
+                      WHERE x.tool_id = p_tool AND x.polled_at > now() - interval '5 seconds')
+    ON CONFLICT (tool_id) DO UPDATE SET polled_at = EXCLUDED.polled_at;
+
+    IF array_length(admitted, 1) IS NULL THEN
+        -- 5. Nothing claimed: say why, from the first reason that holds.
+        IF blocked IS NULL AND array_length(ids, 1) > 0 THEN
+            blocked := 'capped';
+        END IF;
+        IF blocked IS NULL THEN
+            SELECT COALESCE(q.resource_key, default_key) AS resource_key,
+                   COALESCE(q.account_group, default_group) AS account_group INTO head
+            FROM generation.tasks AS q
+            WHERE q.tool_id = p_tool AND q.status = 'queued' AND q.retry_count < q.max_retries
+            ORDER BY q.reclaimed DESC, q.priority DESC, q.run_at
+            LIMIT 1;
+            has_head := FOUND;
+            blocked := CASE
+                WHEN NOT has_head THEN 'empty'
+                WHEN tool_held THEN 'held'
+                WHEN tool_cooling THEN 'cooling'
+                WHEN EXISTS (SELECT 1 FROM generation.holds AS h
+                             WHERE h.account_group = head.account_group AND h.held_until > now())
+                    THEN 'held'
+                WHEN EXISTS (SELECT 1 FROM generation.cooldowns AS c
+                             WHERE c.resource_key = head.resource_key AND c.cooling_until > now())
+                    THEN 'cooling'
+                ELSE 'waiting' END;
+        END IF;
+        RETURN QUERY SELECT NULL::generation.tasks, NULL::integer, blocked, NULL::jsonb;
+        RETURN;
+    END IF;
+
+    -- 6. Reserve the admitted estimates (rows locked in step 3).
+    IF reserving > 0 THEN
+        UPDATE generation.settings AS st
+        SET spent_nanos = CASE WHEN st.spent_day = today THEN st.spent_nanos ELSE 0 END,
+            spent_day = today, reserved_nanos = st.reserved_nanos + reserving;
+        UPDATE generation.tools AS t
+        SET spent_nanos = CASE WHEN t.spent_day = today THEN t.spent_nanos ELSE 0 END,
+            spent_day = today, reserved_nanos = t.reserved_nanos + reserving
+        WHERE t.id = p_tool;
+    END IF;
+
+    -- 7. Start the runs: a fresh, unconfirmed lease each, an attempt, a `started` event.
+    RETURN QUERY
+    WITH started AS (
+        UPDATE generation.tasks AS t
+        SET status = 'processing',
+            started_at = COALESCE(t.started_at, now()),
+            claim_expires_at = now() + make_interval(secs => lease),
+            lease_token = gen_random_uuid(),
+            lease_confirmed = false,
+            reclaimed = false,
+            attempt_count = t.attempt_count + 1,
+            last_event_seq = t.last_event_seq + 1
+        WHERE t.id = ANY (admitted)
+        RETURNING t.*),
+    attempt AS (
+        INSERT INTO generation.attempts
+            (task_id, attempt, lease_token, tool_id, resource_key, account_group, local_day,
+             estimate_nanos)
+        SELECT started.id, started.attempt_count, started.lease_token, started.tool_id,
+               keys[array_position(ids, started.id)], groups[array_position(ids, started.id)],
+               today, estimates[array_position(ids, started.id)]
+        FROM started),
+    event AS (
+        INSERT INTO generation.task_events (task_id, sequence, kind, data)
+        SELECT started.id, started.last_event_seq, 'started',
+               jsonb_build_object('attempt', started.attempt_count)
+        FROM started
+        RETURNING *)
+    SELECT ROW(started.*)::generation.tasks, lease, NULL::text, to_jsonb(event)
+    FROM started JOIN event ON event.task_id = started.id
+    ORDER BY array_position(admitted, started.id);
+END
+$$;
+
+-- Extends the lease of a task the caller holds, and confirms the claim (its answer reached the
+-- worker, so the run now counts). Touches no indexed column: the update stays HOT.
+CREATE FUNCTION generation.heartbeat_task_v1(p_task uuid, p_token uuid, p_lease_seconds integer)
+RETURNS TABLE (task_found boolean, claim_expires_at timestamptz, lease_seconds integer,
+               cancel_requested boolean)
+LANGUAGE plpgsql
+AS $$
+#variable_conflict use_column
+DECLARE
+    t generation.tasks;
+    lease integer;
+BEGIN
+    -- 1. Lock the task, then decide: only the holder of a lease still running may extend it.
+    SELECT * INTO t FROM generation.tasks WHERE id = p_task FOR NO KEY UPDATE;
+    IF NOT FOUND THEN
+        RETURN QUERY SELECT false, NULL::timestamptz, NULL::integer, NULL::boolean;
+        RETURN;
+    END IF;
+    IF t.status <> 'processing' OR t.lease_token IS DISTINCT FROM p_token
+       OR t.claim_expires_at <= now() THEN
+        RETURN QUERY SELECT true, NULL::timestamptz, NULL::integer, NULL::boolean;
+        RETURN;
+    END IF;
+    -- 2. Extend and confirm; a cancel asked for meanwhile is told to the worker.
+    SELECT COALESCE(tl.lease_seconds, p_lease_seconds) INTO lease
+    FROM generation.tools AS tl WHERE tl.id = t.tool_id;
+    UPDATE generation.tasks AS q
+    SET claim_expires_at = now() + make_interval(secs => lease), lease_confirmed = true
+    WHERE q.id = p_task
+    RETURNING q.* INTO t;
+    RETURN QUERY SELECT true, t.claim_expires_at, lease, t.cancel_requested_at IS NOT NULL;
+END
+$$;
+
+-- Ends a held run with its output: `completed`, or `cancelled` when a cancel was asked for while
+-- it ran (its cost is kept either way). The same lease completing again (a retry after a lost
+-- answer, or a second call racing the first) gets the same task back with nothing changed; any
+-- other caller whose lease is gone changes nothing but its attempt's cost.
+CREATE FUNCTION generation.complete_task_v1(
+    p_task uuid, p_token uuid, p_output jsonb, p_usage jsonb, p_cost bigint
+) RETURNS TABLE (task_found boolean, task generation.tasks, event jsonb)
+LANGUAGE plpgsql
+AS $$
+#variable_conflict use_column
+DECLARE
+    t generation.tasks;
+    a generation.attempts;
+BEGIN
+    -- 1. Lock the task, then decide.
+    SELECT * INTO t FROM generation.tasks WHERE id = p_task FOR NO KEY UPDATE;
+    IF NOT FOUND THEN
+        RETURN QUERY SELECT false, NULL::generation.tasks, NULL::jsonb;
+        RETURN;
+    END IF;
+    IF t.status = 'processing' AND t.lease_token = p_token AND t.claim_expires_at > now() THEN
+        -- 2. End the run.
+        UPDATE generation.tasks AS q
+        SET status = CASE WHEN q.cancel_requested_at IS NULL THEN 'completed' ELSE 'cancelled' END
+                     ::generation.task_status,
+            output = CASE WHEN q.cancel_requested_at IS NULL THEN p_output END,
+            reported_usage = p_usage,
+            error = CASE WHEN q.cancel_requested_at IS NULL THEN NULL ELSE 'cancelled' END,
+            completed_at = now(), claim_expires_at = NULL, lease_token = NULL,
+            lease_confirmed = false, last_event_seq = q.last_event_seq + 1
+        WHERE q.id = p_task
+        RETURNING q.* INTO t;
+        -- 3. Close its attempt with the cost; 4. the terminal event, last in the stream.
+        PERFORM generation.close_attempt_v1(
+            p_task, p_token, t.status::text::generation.attempt_outcome, p_cost, false);
+        RETURN QUERY SELECT true, t,
+            generation.append_event_v1(p_task, t.status::text::generation.task_event_kind, NULL);
+        RETURN;
+    END IF;
+    -- 5. Not held now: the same lease already ended the run this way -> the same answer.
+    SELECT * INTO a FROM generation.attempts AS x WHERE x.task_id = p_task AND x.lease_token = p_token;
+    IF a.outcome::text = t.status::text AND t.status IN ('completed', 'cancelled') THEN
+        RETURN QUERY SELECT true, t, NULL::jsonb;
+        RETURN;
+    END IF;
+    -- 6. Else the lease is lost: keep what the run cost, change nothing else.
+    PERFORM generation.close_attempt_v1(p_task, p_token, 'lease_lost', p_cost, false);
+    RETURN QUERY SELECT true, NULL::generation.tasks, NULL::jsonb;
+END
+$$;
+
+-- The reaper's forced fail: a task that is stale right now (stale_reason_v1, judged under the
+-- row lock with the stored thresholds) ends `failed`; any other is refused, so a forced fail can
+-- never kill a live or deliberately waiting task.
+CREATE FUNCTION generation.reap_task_v1(p_task uuid, p_error text)
+RETURNS TABLE (task_found boolean, task generation.tasks, event jsonb)
+LANGUAGE plpgsql
+AS $$
+#variable_conflict use_column
+DECLARE
+    t generation.tasks;
+    prior uuid;
+    reason text;
+BEGIN
+    -- 1. Lock the task, then judge it.
+    SELECT * INTO t FROM generation.tasks WHERE id = p_task FOR NO KEY UPDATE;
+    IF NOT FOUND THEN
+        RETURN QUERY SELECT false, NULL::generation.tasks, NULL::jsonb;
+        RETURN;
+    END IF;
+    reason := generation.stale_reason_v1(t);
+    IF reason IS NULL THEN
+        RETURN QUERY SELECT true, NULL::generation.tasks, NULL::jsonb;
+        RETURN;
+    END IF;
+    -- 2. Fail it; a lapsed run's attempt is closed abandoned (its reservation released).
+    prior := t.lease_token;
+    UPDATE generation.tasks AS q
+    SET status = 'failed', error = COALESCE(p_error, 'stale: ' || reason), completed_at = now(),
+        claim_expires_at = NULL, lease_token = NULL, lease_confirmed = false,
+        last_event_seq = q.last_event_seq + 1
+    WHERE q.id = p_task
+    RETURNING q.* INTO t;
+    IF prior IS NOT NULL THEN
+        PERFORM generation.close_attempt_v1(p_task, prior, 'abandoned', 0, false);
+    END IF;
+    -- 3. The terminal event.
+    RETURN QUERY SELECT true, t, generation.append_event_v1(
+        p_task, 'failed',
+        jsonb_build_object('error', t.error, 'retry_count', t.retry_count, 'stale_reason', reason));
+END
+$$;
+
+-- Ends a held run that did not complete (p_failure: retryable, permanent, account, cancelled).
+-- Retryable: one retry used; requeued with full-jitter backoff while retries remain, else failed.
+-- Account: requeued without using a retry (the group is held). Cancelled, or any failure of a run
+-- whose cancel was asked for: cancelled. Permanent: failed. Without a lease token it is the
+-- reaper's forced fail (reap_task_v1). A retry by the same lease gets the task as it is now.
+CREATE FUNCTION generation.fail_task_v1(
+    p_task uuid, p_token uuid, p_failure text, p_error text, p_cost bigint
+) RETURNS TABLE (task_found boolean, forced boolean, task generation.tasks, event jsonb)
+LANGUAGE plpgsql
+AS $$
+#variable_conflict use_column
+DECLARE
+    t generation.tasks;
+    a generation.attempts;
+    tool generation.tools;
+    ending text;
+BEGIN
+    IF p_token IS NULL THEN
+        RETURN QUERY SELECT r.task_found, true, r.task, r.event FROM generation.reap_task_v1(p_task, p_error) AS r;
+        RETURN;
+    END IF;
+    -- 1. Lock the task, then decide.
+    SELECT * INTO t FROM generation.tasks WHERE id = p_task FOR NO KEY UPDATE;
+    IF NOT FOUND THEN
+        RETURN QUERY SELECT false, false, NULL::generation.tasks, NULL::jsonb;
+        RETURN;
+    END IF;
+    IF t.status = 'processing' AND t.lease_token = p_token AND t.claim_expires_at > now() THEN
+        -- 2. How the run ends.
+        ending := CASE
+            WHEN t.cancel_requested_at IS NOT NULL OR p_failure = 'cancelled' THEN 'cancelled'
+            WHEN p_failure = 'account' THEN 'account_error'
+            WHEN p_failure = 'retryable' AND t.retry_count + 1 < t.max_retries THEN 'retry'
+            ELSE 'failed' END;
+        SELECT * INTO tool FROM generation.tools WHERE id = t.tool_id;
+        UPDATE generation.tasks AS q
+        SET status = CASE ending WHEN 'cancelled' THEN 'cancelled' WHEN 'failed' THEN 'failed'
+                                 ELSE 'queued' END::generation.task_status,
+            retry_count = q.retry_count + (p_failure = 'retryable' AND ending <> 'cancelled')::int,
+            run_at = CASE WHEN ending = 'retry'
+                          THEN now() + make_interval(secs => random() * LEAST(
+                                   tool.backoff_max_seconds, tool.backoff_base_seconds * 2 ^ q.retry_count))
+                          ELSE q.run_at END,
+            queued_at = CASE WHEN ending IN ('retry', 'account_error') THEN now() ELSE q.queued_at END,
+            error = CASE WHEN ending = 'cancelled' AND p_failure <> 'cancelled' THEN 'cancelled'
+                         ELSE p_error END,
+            completed_at = CASE WHEN ending IN ('retry', 'account_error') THEN NULL ELSE now() END,
+            claim_expires_at = NULL, lease_token = NULL, lease_confirmed = false,
+            last_event_seq = q.last_event_seq + 1
+        WHERE q.id = p_task
+        RETURNING q.* INTO t;
+        -- 3. Close the attempt with its cost; 4. the event (terminal unless requeued).
+        PERFORM generation.close_attempt_v1(
+            p_task, p_token, ending::generation.attempt_outcome, p_cost,
+            p_failure = 'retryable' AND ending <> 'cancelled');
+        RETURN QUERY SELECT true, false, t, generation.append_event_v1(
+            p_task,
+            CASE t.status WHEN 'queued' THEN 'requeued' ELSE t.status::text END
+                ::generation.task_event_kind,
+            jsonb_build_object('error', t.error, 'retry_count', t.retry_count));
+        RETURN;
+    END IF;
+    -- 5. Not held now: the same lease already ended the run with a failure -> the same answer.
+    SELECT * INTO a FROM generation.attempts AS x WHERE x.task_id = p_task AND x.lease_token = p_token;
+    IF a.outcome IN ('retry', 'failed', 'account_error', 'cancelled') THEN
+        RETURN QUERY SELECT true, false, t, NULL::jsonb;
+        RETURN;
+    END IF;
+    -- 6. Else the lease is lost: keep what the run cost, change nothing else.
+    PERFORM generation.close_attempt_v1(p_task, p_token, 'lease_lost', p_cost, false);
+    RETURN QUERY SELECT true, false, NULL::generation.tasks, NULL::jsonb;
+END
+$$;
+
+-- Hands a held task back without using a retry: a worker that stops on purpose (SIGTERM drain)
+-- releases what it could not finish. A run whose cancel was asked for ends cancelled instead.
+-- p_unconfirmed: the service itself hands back a claim whose answer it could not deliver.
+CREATE FUNCTION generation.release_task_v1(
+    p_task uuid, p_token uuid, p_cost bigint, p_unconfirmed boolean
+) RETURNS TABLE (task_found boolean, task generation.tasks, event jsonb)
+LANGUAGE plpgsql
+AS $$
+#variable_conflict use_column
+DECLARE
+    t generation.tasks;
+    a generation.attempts;
+    ending text;
+BEGIN
+    -- 1. Lock the task, then decide.
+    SELECT * INTO t FROM generation.tasks WHERE id = p_task FOR NO KEY UPDATE;
+    IF NOT FOUND THEN
+        RETURN QUERY SELECT false, NULL::generation.tasks, NULL::jsonb;
+        RETURN;
+    END IF;
+    IF t.status = 'processing' AND t.lease_token = p_token AND t.claim_expires_at > now() THEN
+        IF p_unconfirmed THEN
+            IF t.lease_confirmed THEN  -- the worker has it after all: leave it alone
+                RETURN QUERY SELECT true, t, NULL::jsonb;
+                RETURN;
+            END IF;
+            RETURN QUERY SELECT true, h.task, h.event FROM generation.hand_back_unconfirmed_v1(t) AS h;
+            RETURN;
+        END IF;
+        -- 2. Back to the queue (or cancelled), no retry used.
+        ending := CASE WHEN t.cancel_requested_at IS NOT NULL THEN 'cancelled' ELSE 'released' END;
+        UPDATE generation.tasks AS q
+        SET status = CASE ending WHEN 'cancelled' THEN 'cancelled' ELSE 'queued' END
+                     ::generation.task_status,
+            error = CASE ending WHEN 'cancelled' THEN 'cancelled' ELSE q.error END,
+            completed_at = CASE ending WHEN 'cancelled' THEN now() END,
+            queued_at = CASE ending WHEN 'released' THEN now() ELSE q.queued_at END,
+            claim_expires_at = NULL, lease_token = NULL, lease_confirmed = false,
+            last_event_seq = q.last_event_seq + 1
+        WHERE q.id = p_task
+        RETURNING q.* INTO t;
+        -- 3. Close the attempt with its cost; 4. the event.
+        PERFORM generation.close_attempt_v1(p_task, p_token, ending::generation.attempt_outcome, p_cost, false);
+        RETURN QUERY SELECT true, t, generation.append_event_v1(
+            p_task,
+            CASE ending WHEN 'cancelled' THEN 'cancelled' ELSE 'requeued' END
+                ::generation.task_event_kind,
+            jsonb_build_object('released', true, 'retry_count', t.retry_count));
+        RETURN;
+    END IF;
+    -- 5. Not held now: the same lease already released it -> the same answer.
+    SELECT * INTO a FROM generation.attempts AS x WHERE x.task_id = p_task AND x.lease_token = p_token;
+    IF a.outcome IN ('released', 'cancelled', 'unconfirmed') THEN
+        RETURN QUERY SELECT true, t, NULL::jsonb;
+        RETURN;
+    END IF;
+    -- 6. Else the lease is lost: keep what the run cost, change nothing else.
+    PERFORM generation.close_attempt_v1(p_task, p_token, 'lease_lost', p_cost, false);
+    RETURN QUERY SELECT true, NULL::generation.tasks, NULL::jsonb;
+END
+$$;
+
+-- Cancels a task that has not finished. A queued one ends `cancelled` at once. A running one is
+-- asked to stop: cancel_requested_at is set and a `cancel_requested` event added; the worker
+-- learns it on its next heartbeat, and the run ends `cancelled` when it reports (its cost kept)
+-- or its lease lapses. Cancelling again, or a cancelled task, answers the task as it is.
+CREATE FUNCTION generation.cancel_task_v1(p_task uuid)
+RETURNS TABLE (task_found boolean, task generation.tasks, event jsonb)
+LANGUAGE plpgsql
+AS $$
+#variable_conflict use_column
+DECLARE
+    t generation.tasks;
+BEGIN
+    -- 1. Lock the task, then decide.
+    SELECT * INTO t FROM generation.tasks WHERE id = p_task FOR NO KEY UPDATE;
+    IF NOT FOUND THEN
+        RETURN QUERY SELECT false, NULL::generation.tasks, NULL::jsonb;
+        RETURN;
+    END IF;
+    IF t.status IN ('queued', 'dispatched') THEN
+        -- 2a. Never ran, or waits to run again: cancelled now.
+        UPDATE generation.tasks AS q
+        SET status = 'cancelled', error = 'cancelled', completed_at = now(),
+            last_event_seq = q.last_event_seq + 1
+        WHERE q.id = p_task
+        RETURNING q.* INTO t;
+        RETURN QUERY SELECT true, t, generation.append_event_v1(p_task, 'cancelled', NULL);
+    ELSIF t.status = 'processing' AND t.cancel_requested_at IS NULL THEN
+        -- 2b. Running: ask its worker to stop.
+        UPDATE generation.tasks AS q
+        SET cancel_requested_at = now(), last_event_seq = q.last_event_seq + 1
+        WHERE q.id = p_task
+        RETURNING q.* INTO t;
+        RETURN QUERY SELECT true, t, generation.append_event_v1(p_task, 'cancel_requested', NULL);
+    ELSIF t.status IN ('processing', 'cancelled') THEN
+        RETURN QUERY SELECT true, t, NULL::jsonb;
+    ELSE
+        RETURN QUERY SELECT true, NULL::generation.tasks, NULL::jsonb;
+    END IF;
+END
+$$;
+
+-- Cancels, oldest first, up to p_limit queued tasks of a tool (and asks running ones to stop,
+-- with p_include_processing), optionally only those whose idempotency key starts with p_prefix.
+-- Each is cancel_task_v1's transition; rows other callers hold are skipped.
+CREATE FUNCTION generation.cancel_tasks_v1(
+    p_tool uuid, p_include_processing boolean, p_prefix text, p_limit integer
+) RETURNS TABLE (task generation.tasks, event jsonb)
+LANGUAGE plpgsql
+AS $$
+#variable_conflict use_column
+DECLARE
+    ids uuid[];
+BEGIN
+    -- 1. Lock the tasks, oldest first.
+    SELECT array_agg(c.id ORDER BY c.created_at) INTO ids FROM (
+        SELECT q.id, q.created_at FROM generation.tasks AS q
+        WHERE q.tool_id = p_tool
+          AND (q.status = 'queued'
+               OR (p_include_processing AND q.status = 'processing' AND q.cancel_requested_at IS NULL))
+          AND (p_prefix IS NULL OR starts_with(q.idempotency_key, p_prefix))
+        ORDER BY q.created_at
+        LIMIT p_limit
+        FOR NO KEY UPDATE OF q SKIP LOCKED) AS c;
+    -- 2. Cancel each.
+    RETURN QUERY
+    SELECT c.task, c.event FROM unnest(COALESCE(ids, '{}')) AS id,
+         LATERAL generation.cancel_task_v1(id) AS c;
+END
+$$;
+
+-- Queues a failed, cancelled or expired task again with fresh retries. If its reservation was
+-- already settled, the task starts a new settlement round with the reservation given here; if
+-- not, the old reservation is kept and settles once, when the task ends again.
+CREATE FUNCTION generation.retry_task_v1(p_task uuid, p_reserved bigint)
+RETURNS TABLE (task_found boolean, task generation.tasks, event jsonb)
+LANGUAGE plpgsql
+AS $$
+#variable_conflict use_column
+DECLARE
+    t generation.tasks;
+BEGIN
+    -- 1. Lock the task, then decide.
+    SELECT * INTO t FROM generation.tasks WHERE id = p_task FOR NO KEY UPDATE;
+    IF NOT FOUND THEN
+        RETURN QUERY SELECT false, NULL::generation.tasks, NULL::jsonb;
+        RETURN;
+    END IF;
+    IF t.status NOT IN ('failed', 'cancelled', 'expired') THEN
+        RETURN QUERY SELECT true, NULL::generation.tasks, NULL::jsonb;
+        RETURN;
+    END IF;
+    -- 2. Queue it again.
+    UPDATE generation.tasks AS q
+    SET status = 'queued', retry_count = 0, unconfirmed_claims = 0, reclaimed = false,
+        error = NULL, completed_at = NULL, cancel_requested_at = NULL,
+        run_at = now(), queued_at = now(), settled_at = NULL,
+        settlement_round = q.settlement_round + (q.settled_at IS NOT NULL)::int,
+        reserved_token_amount = CASE WHEN q.settled_at IS NOT NULL THEN p_reserved
+                                     ELSE q.reserved_token_amount END,
+        expires_at = CASE WHEN q.expires_at IS NULL THEN NULL ELSE now() + (q.expires_at - q.run_at) END,
+        last_event_seq = q.last_event_seq + 1
+    WHERE q.id = p_task
+    RETURNING q.* INTO t;
+    -- 3. The event: followers of the old run learn it runs again.
+    RETURN QUERY SELECT true, t, generation.append_event_v1(
+        p_task, 'requeued', jsonb_build_object('retried', true, 'retry_count', 0));
+END
+$$;
+
+-- Hands lapsed leases back, up to p_batch at a time. A run whose claim was never confirmed costs
+-- nothing (hand_back_unconfirmed_v1); a confirmed run costs one retry and is queued again first
+-- in line while retries remain, else the task fails at once (nobody waits for the reaper); a run
+-- whose cancel was asked for ends cancelled. The lapsed run's attempt is closed abandoned.
+CREATE FUNCTION generation.rescue_lapsed_v1(p_batch integer)
+RETURNS TABLE (task generation.tasks, event jsonb)
+LANGUAGE plpgsql
+AS $$
+#variable_conflict use_column
+DECLARE
+    ids uuid[];
+    t generation.tasks;
+    prior uuid;
+    ending text;
+BEGIN
+    -- 1. Lock the lapsed tasks (all before any spend row).
+    SELECT array_agg(c.id) INTO ids FROM (
+        SELECT q.id FROM generation.tasks AS q
+        WHERE q.status = 'processing' AND q.claim_expires_at < now()
+        LIMIT p_batch
+        FOR NO KEY UPDATE OF q SKIP LOCKED) AS c;
+    FOR i IN 1 .. COALESCE(array_length(ids, 1), 0) LOOP
+        SELECT * INTO t FROM generation.tasks WHERE id = ids[i];
+        IF NOT t.lease_confirmed THEN
+            RETURN QUERY SELECT * FROM generation.hand_back_unconfirmed_v1(t);
+            CONTINUE;
+        END IF;
+        -- 2. End the run.
+        prior := t.lease_token;
+        ending := CASE WHEN t.cancel_requested_at IS NOT NULL THEN 'cancelled'
+                       WHEN t.retry_count + 1 < t.max_retries THEN 'requeued'
+                       ELSE 'failed' END;
+        UPDATE generation.tasks AS q
+        SET status = CASE ending WHEN 'requeued' THEN 'queued' ELSE ending END
+                     ::generation.task_status,
+            retry_count = q.retry_count + (ending <> 'cancelled')::int,
+            reclaimed = (ending = 'requeued'),
+            queued_at = CASE ending WHEN 'requeued' THEN now() ELSE q.queued_at END,
+            error = CASE ending WHEN 'failed' THEN 'lease lapsed on its last run'
+                                WHEN 'cancelled' THEN 'cancelled' ELSE q.error END,
+            completed_at = CASE WHEN ending = 'requeued' THEN NULL ELSE now() END,
+            claim_expires_at = NULL, lease_token = NULL, lease_confirmed = false,
+            last_event_seq = q.last_event_seq + 1
+        WHERE q.id = t.id
+        RETURNING q.* INTO t;
+        -- 3. Close the attempt (reservation released); 4. the event.
+        PERFORM generation.close_attempt_v1(t.id, prior, 'abandoned', 0, false);
+        RETURN QUERY SELECT t, generation.append_event_v1(
+            t.id, ending::generation.task_event_kind,
+            jsonb_build_object('reason', 'lease lapsed', 'error', t.error,
+                               'retry_count', t.retry_count));
+    END LOOP;
+END
+$$;
+
+-- Ends queued tasks past their expiry `expired`, up to p_batch at a time; suspended while the
+-- kill switch is off (stored, or any replica's environment), so a stop keeps its backlog.
+CREATE FUNCTION generation.expire_tasks_v1(p_batch integer, p_disabled boolean)
+RETURNS TABLE (task generation.tasks, event jsonb)
+LANGUAGE plpgsql
+AS $$
+#variable_conflict use_column
+DECLARE
+    ids uuid[];
+    t generation.tasks;
+BEGIN
+    IF NOT (SELECT g.running FROM generation.gates_v1(p_disabled, NULL) AS g) THEN
+        RETURN;
+    END IF;
+    -- 1. Lock the expired tasks.
+    SELECT array_agg(c.id) INTO ids FROM (
+        SELECT q.id FROM generation.tasks AS q
+        WHERE q.status = 'queued' AND q.expires_at < now()
+        ORDER BY q.expires_at
+        LIMIT p_batch
+        FOR NO KEY UPDATE OF q SKIP LOCKED) AS c;
+    -- 2. End them, each with its terminal event.
+    FOR i IN 1 .. COALESCE(array_length(ids, 1), 0) LOOP
+        UPDATE generation.tasks AS q
+        SET status = 'expired', completed_at = now(), last_event_seq = q.last_event_seq + 1
+        WHERE q.id = ids[i]
+        RETURNING q.* INTO t;
+        RETURN QUERY SELECT t, generation.append_event_v1(t.id, 'expired', NULL);
+    END LOOP;
+END
+$$;
+
+-- Settles a terminal task's reservation exactly once per settlement round: completed charges the
+-- reported usage (at most the reservation) and refunds the rest; any other end refunds it all.
+-- The task is locked first, so a RetryTask or a REQUEUE either comes before (the task is not
+-- terminal: nothing settles) or after (it sees the settlement and opens a new round).
+CREATE FUNCTION generation.settle_task_v1(p_task uuid)
+RETURNS TABLE (task_found boolean, settled_now boolean, settlement generation.settlements)
+LANGUAGE plpgsql
+AS $$
+#variable_conflict use_column
+DECLARE
+    t generation.tasks;
+    st generation.settlements;
+    charged bigint;
+BEGIN
+    -- 1. Lock the task, then decide.
+    SELECT * INTO t FROM generation.tasks WHERE id = p_task FOR NO KEY UPDATE;
+    IF NOT FOUND THEN
+        RETURN QUERY SELECT false, false, NULL::generation.settlements;
+        RETURN;
+    END IF;
+    IF t.status NOT IN ('completed', 'failed', 'cancelled', 'expired') THEN
+        RETURN QUERY SELECT true, false, NULL::generation.settlements;
+        RETURN;
+    END IF;
+    -- 2. The round's one settlement; a second call finds it.
+    charged := CASE WHEN t.status = 'completed'
+                    THEN LEAST(t.reserved_token_amount,
+                               COALESCE((t.reported_usage ->> 'token_amount')::bigint, 0))
+                    ELSE 0 END;
+    INSERT INTO generation.settlements
+        (task_id, settlement_round, task_status, reserved_token_amount, charged_token_amount,
+         refunded_token_amount)
+    VALUES (t.id, t.settlement_round, t.status, t.reserved_token_amount, charged,
+            t.reserved_token_amount - charged)
+    ON CONFLICT (task_id, settlement_round) DO NOTHING
+    RETURNING * INTO st;
+    IF FOUND THEN
+        UPDATE generation.tasks SET settled_at = st.settled_at WHERE id = p_task;
+        RETURN QUERY SELECT true, true, st;
+        RETURN;
+    END IF;
+    SELECT * INTO st FROM generation.settlements AS x
+    WHERE x.task_id = p_task AND x.settlement_round = t.settlement_round;
+    RETURN QUERY SELECT true, false, st;
+END
+$$;
+
+-- Appends a progress, streaming-URL or partial-output event to a task the caller holds (which
+-- also confirms its claim). The task's row lock orders it before the terminal event.
+CREATE FUNCTION generation.publish_task_event_v1(
+    p_task uuid, p_token uuid, p_kind generation.task_event_kind, p_data jsonb
+) RETURNS TABLE (task_found boolean, event jsonb)
+LANGUAGE plpgsql
+AS $$
+#variable_conflict use_column
+DECLARE
+    t generation.tasks;
+BEGIN
+    -- 1. Lock the task, then decide.
+    SELECT * INTO t FROM generation.tasks WHERE id = p_task FOR NO KEY UPDATE;
+    IF NOT FOUND THEN
+        RETURN QUERY SELECT false, NULL::jsonb;
+        RETURN;
+    END IF;
+    IF t.status <> 'processing' OR t.lease_token IS DISTINCT FROM p_token
+       OR t.claim_expires_at <= now() THEN
+        RETURN QUERY SELECT true, NULL::jsonb;
+        RETURN;
+    END IF;
+    -- 2. Take the next sequence (HOT: no indexed column) and append.
+    UPDATE generation.tasks AS q
+    SET last_event_seq = q.last_event_seq + 1, lease_confirmed = true
+    WHERE q.id = p_task;
+    RETURN QUERY SELECT true, generation.append_event_v1(p_task, p_kind, p_data);
+END
+$$;
+
+-- Changes the global settings; NULL leaves a setting as it is. Spend never drops by a change:
+-- when a new time zone puts "today" on another date, today's counters and today's attempts move
+-- to the new date. A change of the switch or the cap restarts the watchdog's clock of every
+-- waiting task (a deliberate wait just ended).
+CREATE FUNCTION generation.update_settings_v1(
+    p_enabled boolean, p_cap bigint, p_clear_cap boolean, p_currency text, p_timezone text,
+    p_cooldown_threshold integer, p_cooldown_seconds integer, p_account_hold_seconds integer,
+    p_retention_days integer, p_processing_grace_seconds integer, p_queued_max_age_seconds integer
+) RETURNS generation.settings
+LANGUAGE plpgsql
+AS $$
+#variable_conflict use_column
+DECLARE
+    s generation.settings;
+    old_today date;
+    new_today date;
+BEGIN
+    SELECT * INTO s FROM generation.settings;
+    old_today := (now() AT TIME ZONE s.timezone)::date;
+    new_today := (now() AT TIME ZONE COALESCE(p_timezone, s.timezone))::date;
+    -- 1. Lock today's attempts when their day moves (attempts come before settings).
+    IF new_today <> old_today THEN
+        PERFORM 1 FROM generation.attempts WHERE local_day = old_today FOR NO KEY UPDATE;
+    END IF;
+    -- 2. Lock settings, then write.
+    SELECT * INTO s FROM generation.settings FOR NO KEY UPDATE;
+    UPDATE generation.settings AS x
+    SET enabled = COALESCE(p_enabled, x.enabled),
+        daily_cap_nanos = CASE WHEN p_clear_cap THEN NULL ELSE COALESCE(p_cap, x.daily_cap_nanos) END,
+        currency = COALESCE(p_currency, x.currency),
+        timezone = COALESCE(p_timezone, x.timezone),
+        cooldown_threshold = COALESCE(p_cooldown_threshold, x.cooldown_threshold),
+        cooldown_seconds = COALESCE(p_cooldown_seconds, x.cooldown_seconds),
+        account_hold_seconds = COALESCE(p_account_hold_seconds, x.account_hold_seconds),
+        retention_days = COALESCE(p_retention_days, x.retention_days),
+        processing_grace_seconds = COALESCE(p_processing_grace_seconds, x.processing_grace_seconds),
+        queued_max_age_seconds = COALESCE(p_queued_max_age_seconds, x.queued_max_age_seconds),
+        spent_day = CASE WHEN x.spent_day = old_today THEN new_today ELSE x.spent_day END,
+        gates_changed_at = CASE
+            WHEN p_enabled IS DISTINCT FROM NULL AND p_enabled IS DISTINCT FROM x.enabled
+              OR p_clear_cap OR (p_cap IS NOT NULL AND p_cap IS DISTINCT FROM x.daily_cap_nanos)
+            THEN now() ELSE x.gates_changed_at END
+    RETURNING x.* INTO s;
+    -- 3. Move today's counters and attempts with the day.
+    IF new_today <> old_today THEN
+        UPDATE generation.tools SET spent_day = new_today WHERE spent_day = old_today;
+        UPDATE generation.attempts SET local_day = new_today WHERE local_day = old_today;
+    END IF;
+    RETURN s;
+END
+$$;
+"""
+
+DOWNGRADE = r"""
+
+DROP FUNCTION generation.update_settings_v1(boolean, bigint, boolean, text, text, integer, integer, integer, integer, integer, integer);
+DROP FUNCTION generation.publish_task_event_v1(uuid, uuid, generation.task_event_kind, jsonb);
+DROP FUNCTION generation.settle_task_v1(uuid);
+DROP FUNCTION generation.expire_tasks_v1(integer, boolean);
+DROP FUNCTION generation.rescue_lapsed_v1(integer);
+DROP FUNCTION generation.retry_task_v1(uuid, bigint);
+DROP FUNCTION generation.cancel_tasks_v1(uuid, boolean, text, integer);
+DROP FUNCTION generation.cancel_task_v1(uuid);
+DROP FUNCTION generation.release_task_v1(uuid, uuid, bigint, boolean);
+DROP FUNCTION generation.fail_task_v1(uuid, uuid, text, text, bigint);
+DROP FUNCTION generation.reap_task_v1(uuid, text);
+DROP FUNCTION generation.complete_task_v1(uuid, uuid, jsonb, jsonb, bigint);
+DROP FUNCTION generation.heartbeat_task_v1(uuid, uuid, integer);
+DROP FUNCTION generation.claim_tasks_v1(uuid, integer, integer, boolean, bigint);
+DROP FUNCTION generation.hand_back_unconfirmed_v1(generation.tasks);
+DROP FUNCTION generation.append_event_v1(uuid, generation.task_event_kind, jsonb);
+DROP FUNCTION generation.close_attempt_v1(uuid, uuid, generation.attempt_outcome, bigint, boolean);
+DROP FUNCTION generation.stale_reason_v1(generation.tasks);
+DROP FUNCTION generation.gates_v1(boolean, bigint);
+DROP FUNCTION generation.within_cap_v1(bigint, date, date, bigint, bigint, bigint);
+
+DROP TABLE generation.replica_overrides;
+DROP TABLE generation.tool_polls;
+ALTER TABLE generation.tools
+    DROP COLUMN gates_changed_at,
+    DROP CONSTRAINT tools_lease_floor,
+    ADD CONSTRAINT tools_lease_positive CHECK (lease_seconds > 0);
+ALTER TABLE generation.settings
+    DROP CONSTRAINT settings_stale_thresholds_positive,
+    DROP COLUMN gates_changed_at,
+    DROP COLUMN queued_max_age_seconds,
+    DROP COLUMN processing_grace_seconds;
+-- Per-task numbers collide across tasks only in their own streams; identity restarts above all.
+DO $$
+BEGIN
+    EXECUTE format(
+        'ALTER TABLE generation.task_events ALTER COLUMN sequence '
+        'ADD GENERATED ALWAYS AS IDENTITY (START WITH %s)',
+        (SELECT COALESCE(max(sequence), 0) + 1 FROM generation.task_events));
+END
+$$;
+DROP INDEX generation.tasks_waiting_idx;
+CREATE INDEX tasks_waiting_idx ON generation.tasks (created_at) WHERE status IN ('queued', 'dispatched');
+ALTER TABLE generation.tasks
+    DROP COLUMN last_event_seq,
+    DROP COLUMN cancel_requested_at,
+    DROP COLUMN unconfirmed_claims,
+    DROP COLUMN lease_confirmed,
+    DROP COLUMN queued_at;
+-- The enum values added stay (Postgres cannot drop one); the old code never writes them.
+
+CREATE FUNCTION generation.within_cap(
+    spent bigint, spent_day date, today date, reserved bigint, estimate bigint, cap bigint
+) RETURNS boolean
+LANGUAGE sql IMMUTABLE
+AS $$
+    SELECT cap IS NULL OR CASE
+        WHEN estimate > 0
+            THEN (CASE WHEN spent_day = today THEN spent ELSE 0 END) + reserved + estimate <= cap
+        ELSE (CASE WHEN spent_day = today THEN spent ELSE 0 END) + reserved < cap
+    END
+$$;
+
+CREATE FUNCTION generation.stale_reason(
+    t generation.tasks, processing_grace interval, queued_max_age interval
+) RETURNS text
+LANGUAGE sql STABLE
+AS $$
+    SELECT CASE
+        WHEN t.status = 'processing' AND t.retry_count >= t.max_retries
+             AND t.claim_expires_at < now() - processing_grace THEN 'dead_zombie'
+        WHEN t.status IN ('queued', 'dispatched') AND t.retry_count >= t.max_retries
+             THEN 'unclaimable'
+        WHEN t.status IN ('queued', 'dispatched') AND t.started_at IS NULL
+             AND t.created_at < now() - queued_max_age THEN 'abandoned'
+    END
+$$;
+
+CREATE FUNCTION generation.close_attempt(
+    task uuid, token uuid, closing generation.attempt_outcome, cost bigint, retryable boolean
+) RETURNS generation.attempts
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    a generation.attempts;
+    s generation.settings;
+    released bigint;
+    today date;
+BEGIN
+    SELECT * INTO a FROM generation.attempts WHERE task_id = task AND lease_token = token;
+    IF NOT FOUND OR a.outcome NOT IN ('running', 'abandoned') THEN
+        RETURN a;
+    END IF;
+    IF a.estimate_nanos > 0 OR cost > 0 THEN
+        SELECT * INTO s FROM generation.settings FOR UPDATE;
+    ELSE
+        SELECT * INTO s FROM generation.settings;
+    END IF;
+    SELECT * INTO a FROM generation.attempts
+    WHERE task_id = task AND lease_token = token FOR UPDATE;
+    IF a.outcome NOT IN ('running', 'abandoned') THEN
+        RETURN a;
+    END IF;
+    released := CASE WHEN a.outcome = 'running' THEN a.estimate_nanos ELSE 0 END;
+    UPDATE generation.attempts
+    SET outcome = CASE WHEN a.outcome = 'abandoned' THEN 'lease_lost' ELSE closing END,
+        cost_nanos = cost_nanos + cost,
+        ended_at = COALESCE(ended_at, now())
+    WHERE task_id = task AND lease_token = token
+    RETURNING * INTO a;
+
+    today := (now() AT TIME ZONE s.timezone)::date;
+    IF released > 0 OR cost > 0 THEN
+        UPDATE generation.settings
+        SET spent_nanos = CASE WHEN spent_day = today THEN spent_nanos ELSE 0 END
+                          + CASE WHEN a.local_day = today THEN cost ELSE 0 END,
+            spent_day = today,
+            reserved_nanos = reserved_nanos - released;
+        UPDATE generation.tools
+        SET spent_nanos = CASE WHEN spent_day = today THEN spent_nanos ELSE 0 END
+                          + CASE WHEN a.local_day = today THEN cost ELSE 0 END,
+            spent_day = today,
+            reserved_nanos = reserved_nanos - released
+        WHERE id = a.tool_id;
+    END IF;
+
+    IF a.outcome = 'completed' THEN
+        UPDATE generation.cooldowns SET consecutive_failures = 0
+        WHERE resource_key = a.resource_key AND consecutive_failures > 0;
+    ELSIF retryable THEN
+        INSERT INTO generation.cooldowns AS c (resource_key, consecutive_failures, cooling_until)
+        VALUES (
+            a.resource_key,
+            CASE WHEN s.cooldown_threshold <= 1 THEN 0 ELSE 1 END,
+            CASE WHEN s.cooldown_threshold <= 1
+                 THEN now() + make_interval(secs => s.cooldown_seconds) END
+        )
+        ON CONFLICT (resource_key) DO UPDATE SET
+            consecutive_failures = CASE WHEN c.consecutive_failures + 1 >= s.cooldown_threshold
+                                        THEN 0 ELSE c.consecutive_failures + 1 END,
+            cooling_until = CASE WHEN c.consecutive_failures + 1 >= s.cooldown_threshold
+                                 THEN now() + make_interval(secs => s.cooldown_seconds)
+                                 ELSE c.cooling_until END;
+    ELSIF a.outcome = 'account_error' THEN
+        INSERT INTO generation.holds AS h (account_group, held_until, reason)
+        VALUES (a.account_group, now() + make_interval(secs => s.account_hold_seconds), 'account error')
+        ON CONFLICT (account_group) DO UPDATE
+        SET held_until = GREATEST(h.held_until, EXCLUDED.held_until), reason = EXCLUDED.reason;
+    END IF;
+    RETURN a;
+END
+$$;
+"""
+
+
+def upgrade() -> None:
+    op.execute(UPGRADE)
+
+
+def downgrade() -> None:
+    op.execute(DOWNGRADE)
