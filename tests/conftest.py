@@ -14,6 +14,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -31,7 +32,7 @@ from service import migrations
 
 ROOT = Path(__file__).resolve().parent.parent
 ADMIN_URL = os.environ.get("GENQ_TEST_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
-UNLIMITED = 10**18  # nanos: a billion currency units a day
+UNLIMITED = 10**17  # nanos: the largest cap the service takes (100 million units a day)
 REDIS_URL = os.environ.get("GENQ_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
@@ -45,6 +46,28 @@ def wait_for(condition: Callable[[], Any], timeout: float = 10.0, what: str = "c
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.02)
+
+
+def noon_timezone() -> str:
+    """A zone where it is about noon now. A new local day restarts the watchdog's clock (a new
+    day's cap opens), so tests of "abandoned" run where midnight is hours away."""
+    east = 12 - datetime.now(UTC).hour  # hours east of UTC, -11 to 12
+    return "UTC" if east == 0 else f"Etc/GMT{-east:+d}"  # POSIX signs: Etc/GMT-3 is UTC+3
+
+
+def forget_waits(db: psycopg.Connection[Any], tool_id: str, seconds: int = 86_400) -> None:
+    """Moves every event that restarts the watchdog's clock for a tool `seconds` into the past:
+    the last change of its gates and of the global ones, and the last claim call for it."""
+    db.execute(
+        "UPDATE generation.tools SET gates_changed_at = now() - make_interval(secs => %s) "
+        "WHERE id = %s",
+        [seconds, tool_id],
+    )
+    db.execute(
+        "UPDATE generation.settings SET gates_changed_at = now() - make_interval(secs => %s)",
+        [seconds],
+    )
+    db.execute("DELETE FROM generation.tool_polls WHERE tool_id = %s", [tool_id])
 
 
 def url_for(database: str) -> str:
@@ -64,8 +87,9 @@ class Databases:
             # too large to matter and cooldowns that never trip; spend-control tests set their
             # own, in databases of their own.
             template.execute(
-                "UPDATE generation.settings SET daily_cap_nanos = %s, cooldown_threshold = 1000",
-                [UNLIMITED],
+                "UPDATE generation.settings "
+                "SET daily_cap_nanos = %s, cooldown_threshold = 1000, timezone = %s",
+                [UNLIMITED, noon_timezone()],
             )
 
     def create(self, name: str, template: str | None = "default") -> str:

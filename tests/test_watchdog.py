@@ -1,0 +1,260 @@
+"""The watchdog meets the deliberate waits (GUIDE §3, seed A's reaper vs seed B's waits): a task
+held on purpose is never "abandoned", and its clock starts only when it could have run.
+
+A database and a service of their own: the tests change the switch and the cap. Time moves by
+writing timestamps in SQL, never by sleeping.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+import psycopg
+import pytest
+from psycopg.rows import dict_row
+
+from generation.task.v1 import task_pb2, task_pb2_grpc
+from tests.conftest import UNLIMITED, Databases, ServiceProcess, forget_waits, url_for
+from tests.test_server import genq
+from workers_sdk.errors import Reason, from_rpc_error
+
+Stub = task_pb2_grpc.GenerationDataServiceStub
+Db = psycopg.Connection[dict[str, Any]]
+HOUR = 3600
+
+
+@pytest.fixture(scope="module")
+def watch_url(databases: Databases) -> str:
+    return url_for(databases.create("watchdog"))
+
+
+@pytest.fixture(scope="module")
+def watch_service(
+    watch_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServiceProcess]:
+    process = ServiceProcess(watch_url, tmp_path_factory.mktemp("watchdog") / "serve.log")
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+def wdb(watch_url: str) -> Iterator[Db]:
+    with psycopg.connect(watch_url, autocommit=True, row_factory=dict_row) as connection:
+        connection.execute(
+            "UPDATE generation.settings SET enabled = true, daily_cap_nanos = %s", [UNLIMITED]
+        )
+        connection.execute("DELETE FROM generation.replica_overrides")
+        yield connection
+
+
+@pytest.fixture
+def wstub(watch_service: ServiceProcess, wdb: Db) -> Stub:
+    return watch_service.stub
+
+
+@pytest.fixture
+def wtool(wstub: Stub) -> str:
+    return str(wstub.UpsertTool(task_pb2.UpsertToolRequest(name=uuid.uuid4().hex)).tool.id)
+
+
+def waiting_an_hour(db: Db, stub: Stub, tool_id: str, **fields: Any) -> str:
+    """A task queued (and due) an hour ago that nobody claimed, by any rule of the old watchdog
+    long abandoned."""
+    task = stub.QueueTask(task_pb2.QueueTaskRequest(tool_id=tool_id, **fields)).task
+    db.execute(
+        "UPDATE generation.tasks SET created_at = now() - interval '1 hour', "
+        "queued_at = now() - interval '1 hour', "
+        "run_at = LEAST(run_at, now() - interval '1 hour') WHERE id = %s",
+        [task.id],
+    )
+    return str(task.id)
+
+
+def stale(stub: Stub, task_id: str) -> int | None:
+    listed = stub.ListStaleTasks(task_pb2.ListStaleTasksRequest(limit=10_000)).tasks
+    return next((s.reason for s in listed if s.task.id == task_id), None)
+
+
+def force_fail(stub: Stub, task_id: str) -> Reason | None:
+    try:
+        stub.FailTask(task_pb2.FailTaskRequest(task_id=task_id, error="reaped"))
+    except grpc.RpcError as error:
+        return from_rpc_error(error).reason
+    return None
+
+
+def no_cap(db: Db, stub: Stub, tool_id: str) -> Callable[[], None]:
+    stub.UpdateSettings(task_pb2.UpdateSettingsRequest(clear=["daily_cap_nanos"]))
+    return lambda: stub.UpdateSettings(task_pb2.UpdateSettingsRequest(daily_cap_nanos=UNLIMITED))
+
+
+def cap_reached(db: Db, stub: Stub, tool_id: str) -> Callable[[], None]:
+    stub.ConfigureTool(
+        task_pb2.ConfigureToolRequest(tool_id=tool_id, cost_estimate_nanos=10, daily_cap_nanos=5)
+    )
+    return lambda: stub.ConfigureTool(
+        task_pb2.ConfigureToolRequest(tool_id=tool_id, clear=["daily_cap_nanos"])
+    )
+
+
+def switch_off(db: Db, stub: Stub, tool_id: str) -> Callable[[], None]:
+    stub.UpdateSettings(task_pb2.UpdateSettingsRequest(enabled=False))
+    return lambda: stub.UpdateSettings(task_pb2.UpdateSettingsRequest(enabled=True))
+
+
+def switch_off_by_a_replica(db: Db, stub: Stub, tool_id: str) -> Callable[[], None]:
+    """Another replica runs with GENQ_DISABLED=true (its row, as its housekeeping writes it)."""
+    replica = uuid.uuid4()
+    db.execute(
+        "INSERT INTO generation.replica_overrides (replica_id, disabled) VALUES (%s, true)",
+        [replica],
+    )
+    return lambda: db.execute(
+        "DELETE FROM generation.replica_overrides WHERE replica_id = %s", [replica]
+    )
+
+
+def paused(db: Db, stub: Stub, tool_id: str) -> Callable[[], None]:
+    stub.ConfigureTool(task_pb2.ConfigureToolRequest(tool_id=tool_id, paused=True))
+    return lambda: stub.ConfigureTool(task_pb2.ConfigureToolRequest(tool_id=tool_id, paused=False))
+
+
+def group_held(db: Db, stub: Stub, tool_id: str) -> Callable[[], None]:
+    db.execute(
+        "INSERT INTO generation.holds (account_group, held_until) "
+        "SELECT name, now() + interval '1 hour' FROM generation.tools WHERE id = %s",
+        [tool_id],
+    )
+    return lambda: db.execute(
+        "UPDATE generation.holds SET held_until = now() - interval '2 hours' "
+        "WHERE account_group = (SELECT name FROM generation.tools WHERE id = %s)",
+        [tool_id],
+    )
+
+
+def key_cooling(db: Db, stub: Stub, tool_id: str) -> Callable[[], None]:
+    db.execute(
+        "INSERT INTO generation.cooldowns (resource_key, cooling_until) "
+        "SELECT name, now() + interval '1 hour' FROM generation.tools WHERE id = %s",
+        [tool_id],
+    )
+    return lambda: db.execute(
+        "UPDATE generation.cooldowns SET cooling_until = now() - interval '2 hours' "
+        "WHERE resource_key = (SELECT name FROM generation.tools WHERE id = %s)",
+        [tool_id],
+    )
+
+
+WAITS = [no_cap, cap_reached, switch_off, switch_off_by_a_replica, paused, group_held, key_cooling]
+
+
+@pytest.mark.parametrize("hold", WAITS, ids=[w.__name__ for w in WAITS])
+def test_a_deliberate_wait_is_never_abandoned(
+    wdb: Db, wstub: Stub, wtool: str, hold: Callable[[Db, Stub, str], Callable[[], None]]
+) -> None:
+    task = waiting_an_hour(wdb, wstub, wtool)
+    lift = hold(wdb, wstub, wtool)
+    forget_waits(wdb, wtool)  # as if the wait had started long ago and no worker were left
+
+    assert stale(wstub, task) is None
+    assert force_fail(wstub, task) is Reason.TASK_NOT_STALE
+    assert status(wdb, task) == "queued"
+
+    lift()
+    forget_waits(wdb, wtool)  # ... and ended long ago, with still no worker asking
+    assert stale(wstub, task) == task_pb2.STALE_REASON_ABANDONED
+    assert force_fail(wstub, task) is None
+    assert status(wdb, task) == "failed"
+
+
+def test_a_task_due_later_is_not_abandoned_until_it_could_have_run(
+    wdb: Db, wstub: Stub, wtool: str, watch_service: ServiceProcess
+) -> None:
+    """Seen: a job due in 1 h reaped 15 min after enqueue by `genq reconcile`."""
+    task = wstub.QueueTask(
+        task_pb2.QueueTaskRequest(tool_id=wtool, run_after={"seconds": now_seconds(wdb) + HOUR})
+    ).task
+    wdb.execute(
+        "UPDATE generation.tasks SET created_at = now() - interval '20 minutes', "
+        "queued_at = now() - interval '20 minutes' WHERE id = %s",
+        [task.id],
+    )
+    forget_waits(wdb, wtool)
+    reconcile = genq("reconcile", "--once", "--target", watch_service.address)
+    assert reconcile.returncode == 0, reconcile.stderr
+    assert status(wdb, task.id) == "queued"
+
+    wdb.execute(
+        "UPDATE generation.tasks SET run_at = now() - interval '901 seconds' WHERE id = %s",
+        [task.id],
+    )
+    assert stale(wstub, task.id) == task_pb2.STALE_REASON_ABANDONED
+
+
+def test_a_worker_asking_for_the_tools_work_keeps_its_backlog_alive(
+    wdb: Db, wstub: Stub, wtool: str
+) -> None:
+    """A long backlog behind busy workers is waiting its turn, not abandoned."""
+    task = waiting_an_hour(wdb, wstub, wtool)
+    forget_waits(wdb, wtool)
+    assert stale(wstub, task) == task_pb2.STALE_REASON_ABANDONED
+    busy = waiting_an_hour(wdb, wstub, wtool, priority=100)  # what the worker gets next
+    claimed = wstub.ClaimNextTask(task_pb2.ClaimNextTaskRequest(tool_id=wtool))
+    assert claimed.task.id == busy
+    assert stale(wstub, task) is None
+
+
+def test_the_clock_restarts_when_a_wait_ends(wdb: Db, wstub: Stub, wtool: str) -> None:
+    task = waiting_an_hour(wdb, wstub, wtool)
+    paused(wdb, wstub, wtool)
+    forget_waits(wdb, wtool)
+    wstub.ConfigureTool(task_pb2.ConfigureToolRequest(tool_id=wtool, paused=False))
+    assert stale(wstub, task) is None, "just resumed: workers get queued_max_age to come"
+
+
+def test_a_requeued_task_whose_workers_vanished_is_found(wdb: Db, wstub: Stub, wtool: str) -> None:
+    """Ran once, failed retryably, requeued: it is not `never started`, yet it is abandoned."""
+    waiting_an_hour(wdb, wstub, wtool)
+    claimed = wstub.ClaimNextTask(task_pb2.ClaimNextTaskRequest(tool_id=wtool))
+    wstub.FailTask(
+        task_pb2.FailTaskRequest(
+            task_id=claimed.task.id, lease_token=claimed.lease_token, increment_retry=True
+        )
+    )
+    wdb.execute(
+        "UPDATE generation.tasks SET queued_at = now() - interval '1 hour', "
+        "run_at = now() - interval '1 hour' WHERE id = %s",
+        [claimed.task.id],
+    )
+    forget_waits(wdb, wtool)
+    assert stale(wstub, claimed.task.id) == task_pb2.STALE_REASON_ABANDONED
+
+
+def test_what_stale_means_is_a_stored_setting(wdb: Db, wstub: Stub, wtool: str) -> None:
+    task = waiting_an_hour(wdb, wstub, wtool)
+    forget_waits(wdb, wtool, seconds=3 * HOUR)
+    settings = wstub.UpdateSettings(
+        task_pb2.UpdateSettingsRequest(queued_max_age_seconds=2 * HOUR)
+    ).settings
+    try:
+        assert settings.queued_max_age_seconds == 2 * HOUR
+        assert stale(wstub, task) is None, "an hour is young under a two-hour threshold"
+        assert force_fail(wstub, task) is Reason.TASK_NOT_STALE
+    finally:
+        wstub.UpdateSettings(task_pb2.UpdateSettingsRequest(queued_max_age_seconds=900))
+
+
+def status(db: Db, task_id: str) -> str:
+    found = db.execute("SELECT status::text FROM generation.tasks WHERE id = %s", [task_id])
+    row = found.fetchone()
+    assert row is not None
+    return str(row["status"])
+
+
+def now_seconds(db: Db) -> int:
+    found = db.execute("SELECT extract(epoch FROM now())::bigint AS t").fetchone()
+    assert found is not None
+    return int(found["t"])
