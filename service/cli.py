@@ -184,14 +184,17 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
         idempotency_key_prefix=args.prefix or "",
         limit=1_000,
     )
-    total = 0
+    cancelled = asked = 0
     while True:  # batches until one comes back short: tasks queued meanwhile end it too
-        cancelled = (await _call(args, "CancelTasks", request)).cancelled
-        total += cancelled
-        if cancelled < request.limit:
+        answer = await _call(args, "CancelTasks", request)
+        cancelled, asked = cancelled + answer.cancelled, asked + answer.cancel_requested
+        if answer.cancelled + answer.cancel_requested < request.limit:
             break
-        print(f"cancelled {total} ...", file=sys.stderr, flush=True)
-    _print(args, pb.CancelTasksResponse(cancelled=total), f"cancelled {total} tasks")
+        print(f"cancelled {cancelled} ...", file=sys.stderr, flush=True)
+    text = f"cancelled {cancelled} tasks"
+    if asked:
+        text += f"; asked {asked} running ones to stop (they end cancelled when their run does)"
+    _print(args, pb.CancelTasksResponse(cancelled=cancelled, cancel_requested=asked), text)
     return DONE
 
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 import contextlib
 import os
 import pwd
+import shutil
 import signal
 import subprocess
+import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -180,18 +182,28 @@ class PrivatePostgres:
 
 
 @contextlib.contextmanager
-def private_postgres(root: Path, template: str = "genq_template") -> Iterator[PrivatePostgres]:
-    """A running private cluster with a migrated `template` database; stopped at the end."""
+def private_postgres(template: str = "genq_template") -> Iterator[PrivatePostgres]:
+    """A running private cluster with a migrated `template` database; stopped and deleted at the
+    end.
+
+    Its data lives in a temp dir of its own, not pytest's: the server runs as another user, and
+    every pytest session (any other on the machine too) resets pytest's temp root to 0700.
+    """
+    root = Path(tempfile.mkdtemp(prefix="genq-private-postgres-"))
+    root.chmod(0o755)
     cluster = PrivatePostgres(root)
-    cluster.init()
-    cluster.start()
     try:
+        cluster.init()
+        cluster.start()
         cluster.create_template(template)
         yield cluster
     finally:
         cluster.thaw()
         with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
             cluster.stop("immediate")
+        if (postmaster := cluster.pid()) is not None:  # pg_ctl failed: immediate shutdown
+            os.kill(postmaster, signal.SIGQUIT)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def _binaries() -> Path:

@@ -357,7 +357,7 @@ def test_cancel_one_task_or_a_tools_tasks_by_prefix(
 
     keyed = {key: queue(stub, tool.id, idempotency_key=key).id for key in ("a-1", "a-2", "b-1")}
     answer = genq_json(service, "cancel", "--tool", tool.name, "--prefix", "a-")
-    assert answer == {"cancelled": 2}
+    assert answer == {"cancelled": 2, "cancel_requested": 0}
     statuses = {key: (task_row(cdb, i) or {})["status"] for key, i in keyed.items()}
     assert statuses == {"a-1": "cancelled", "a-2": "cancelled", "b-1": "queued"}
 
@@ -367,8 +367,9 @@ def test_cancel_one_task_or_a_tools_tasks_by_prefix(
     assert (queued_only.returncode, queued_only.stdout.strip()) == (0, "cancelled 0 tasks")
     assert (task_row(cdb, claimed.id) or {})["status"] == "processing"
     running_too = genq_json(service, "cancel", "--tool", tool.id, "--include-processing")
-    assert running_too == {"cancelled": 1}
-    assert (task_row(cdb, claimed.id) or {})["status"] == "cancelled"
+    assert running_too == {"cancelled": 0, "cancel_requested": 1}
+    asked = task_row(cdb, claimed.id) or {}
+    assert (asked["status"], asked["cancel_requested_at"] is not None) == ("processing", True)
 
 
 def test_retry_queues_a_cancelled_task_again(

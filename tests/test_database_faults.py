@@ -34,8 +34,8 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivatePostgres]:
-    with private_postgres(tmp_path_factory.mktemp("private_postgres"), TEMPLATE) as pg:
+def cluster() -> Iterator[PrivatePostgres]:
+    with private_postgres(TEMPLATE) as pg:
         yield pg
 
 

@@ -234,6 +234,9 @@ def test_follow_replays_earlier_events_then_follows_live_ones_to_completion(
         earlier = await publish(client, claimed, 0.25)
 
         follower = Follower(gateway, task.id)
+        started = await follower.next()
+        assert started.kind == task_pb2.TASK_EVENT_KIND_STARTED
+        assert started.data["attempt"] == 1
         replayed = await follower.next()
         assert (replayed.sequence, replayed.kind) == (earlier.sequence, earlier.kind)
         assert dict(replayed.data) == {"progress": 0.25}
@@ -258,7 +261,9 @@ def test_follow_replays_earlier_events_then_follows_live_ones_to_completion(
 
         # A finished task replays to its end, and resuming after a sequence skips what was seen.
         everything = [e async for e in gateway.follow(task.id, timeout=EVENT_TIMEOUT)]
+        assert [e.sequence for e in everything] == [1, 2, 3, 4], "per task, in commit order"
         assert [e.sequence for e in everything] == [
+            started.sequence,
             replayed.sequence,
             live.sequence,
             terminal.sequence,
@@ -277,11 +282,14 @@ def test_following_a_failed_task_passes_its_requeue_and_ends_at_failed(
         follower = Follower(gateway, task.id)
 
         await fail(client, await claim(client, tool_id), "provider timeout")
+        assert (await follower.next()).kind == task_pb2.TASK_EVENT_KIND_STARTED
         requeued = await follower.next()
         assert requeued.kind == task_pb2.TASK_EVENT_KIND_REQUEUED
         assert not follower.done.done(), "a requeue is not the end: the task runs again"
 
         await fail(client, await claim(client, tool_id), "provider timeout again")
+        again = await follower.next()
+        assert (again.kind, again.data["attempt"]) == (task_pb2.TASK_EVENT_KIND_STARTED, 2)
         failed = await follower.next()
         assert failed.kind == task_pb2.TASK_EVENT_KIND_FAILED
         assert failed.data["error"] == "provider timeout again"

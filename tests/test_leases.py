@@ -8,6 +8,7 @@ import grpc
 import pytest
 
 from generation.task.v1 import task_pb2
+from service.rpcs import STATEMENTS
 from tests.test_semantics import Db, Stub, add_row, ago, claim, lapse_lease, queue, row
 from workers_sdk.errors import Reason, from_rpc_error
 
@@ -24,6 +25,13 @@ def writes(task_id: str, token: str) -> list[tuple[str, Any]]:
     """Every worker write a lease holder can make, with the given token."""
     return [
         ("HeartbeatTask", task_pb2.HeartbeatTaskRequest(task_id=task_id, lease_token=token)),
+        (
+            "PublishTaskEvent",
+            task_pb2.PublishTaskEventRequest(
+                task_id=task_id, lease_token=token, kind=task_pb2.TASK_EVENT_KIND_PROGRESS
+            ),
+        ),
+        ("ReleaseTask", task_pb2.ReleaseTaskRequest(task_id=task_id, lease_token=token)),
         (
             "CompleteTask",
             task_pb2.CompleteTaskRequest(task_id=task_id, lease_token=token, output={"x": 1}),
@@ -77,14 +85,29 @@ def test_wrong_token_changes_nothing(stub: Stub, db: Db, tool_id: str) -> None:
 def test_lapsed_lease_changes_nothing_even_before_the_rescue(
     stub: Stub, db: Db, tool_id: str
 ) -> None:
+    """Only the lease's time decides: the writes run in the transaction that lapsed the lease,
+    which the rescuer cannot see, so it cannot hand the task back first."""
     task = queue(stub, tool_id)
     claimed = claim(stub, tool_id)
-    db.execute(
-        "UPDATE generation.tasks SET claim_expires_at = now() - interval '1 ms', retry_count = 3 "
-        "WHERE id = %s",
-        [task.id],
-    )  # retries used up: the rescuer leaves it alone, so only the lease's time decides
-    assert_lease_lost(stub, db, task.id, claimed.lease_token)
+    params = {"task_id": task.id, "lease_token": claimed.lease_token, "cost_nanos": 0}
+    with db.transaction(force_rollback=True):
+        db.execute(
+            "UPDATE generation.tasks SET claim_expires_at = now() - interval '1 ms' WHERE id = %s",
+            [task.id],
+        )
+        before = row(db, task.id)
+        for method, extra in {
+            "HeartbeatTask": {"lease_seconds": 120},
+            "CompleteTask": {"output": None, "reported_usage": None},
+            "FailTask": {"failure": "retryable", "error": None},
+            "ReleaseTask": {},
+            "PublishTaskEvent": {"kind": "progress", "data": None},
+        }.items():
+            answer = db.execute(STATEMENTS[method], {**params, **extra}).fetchone()
+            assert answer is not None and answer["task_found"], method
+            changed = "claim_expires_at" if method == "HeartbeatTask" else "id"
+            assert answer[changed] is None, f"{method} took a lapsed lease"
+            assert row(db, task.id) == before, f"{method} changed the row"
 
 
 def test_old_holder_loses_to_the_reclaimer(stub: Stub, db: Db, tool_id: str) -> None:
@@ -116,12 +139,15 @@ def test_writes_after_terminal_change_nothing(stub: Stub, db: Db, tool_id: str) 
 def test_writes_after_requeue_change_nothing(stub: Stub, db: Db, tool_id: str) -> None:
     task = queue(stub, tool_id)
     claimed = claim(stub, tool_id)
-    stub.FailTask(
-        task_pb2.FailTaskRequest(
-            task_id=task.id, lease_token=claimed.lease_token, increment_retry=True
-        )
+    request = task_pb2.FailTaskRequest(
+        task_id=task.id, lease_token=claimed.lease_token, increment_retry=True
     )
-    assert_lease_lost(stub, db, task.id, claimed.lease_token)
+    requeued = stub.FailTask(request).task
+    # Its own FailTask again is a retry after a lost answer: the task as it is, nothing changed.
+    before = row(db, task.id)
+    assert stub.FailTask(request).task == requeued
+    assert row(db, task.id) == before
+    assert_lease_lost(stub, db, task.id, claimed.lease_token, but=("FailTask",))
 
 
 def forced_fail(stub: Stub, task_id: str) -> task_pb2.Task:
@@ -155,23 +181,17 @@ def test_forced_fail_refuses_an_exhausted_task_whose_lease_still_runs(
 
 
 def test_forced_fail_takes_each_stale_population(stub: Stub, db: Db, tool_id: str) -> None:
-    dead_zombie = add_row(
-        db,
-        tool_id,
-        status="processing",
-        retry_count=3,
-        lease_token=WRONG_TOKEN,
-        started_at=ago(db, 3600),
-        claim_expires_at=ago(db, 600),
-    )
+    """(A dead zombie needs the rescuer stopped: tests/test_watchdog.py.)"""
     unclaimable = queue(stub, tool_id, max_retries=0).id
     abandoned = add_row(
         db,
         tool_id,
         status="dispatched",
         created_at=ago(db, 3600),
+        queued_at=ago(db, 3600),
+        run_at=ago(db, 3600),
     )
-    for task_id in (dead_zombie, unclaimable, abandoned):
+    for task_id in (unclaimable, abandoned):
         failed = forced_fail(stub, task_id)
         assert failed.status == task_pb2.TASK_STATUS_FAILED
         assert failed.error == "stale"

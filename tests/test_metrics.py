@@ -207,8 +207,10 @@ def test_lease_lapses_and_reclaims_follow_the_ledger(service: Service) -> None:
     task = stub.QueueTask(task_pb2.QueueTaskRequest(tool_id=tool)).task.id
     first = stub.ClaimNextTask(task_pb2.ClaimNextTaskRequest(tool_id=tool))
     assert first.task.id == task
+    stub.HeartbeatTask(task_pb2.HeartbeatTaskRequest(task_id=task, lease_token=first.lease_token))
 
-    # The worker vanishes: its lease lapses, the rescuer (every 0.2 s here) closes the attempt
+    # The worker (which had the claim: it beat once) vanishes: its lease lapses, the rescuer
+    # (every 0.2 s here) charges the run a retry, closes the attempt
     # `abandoned` and queues the task again, and the next claim takes it back.
     service.sql(
         "UPDATE generation.tasks SET claim_expires_at = now() - interval '1 second' WHERE id = %s",

@@ -16,19 +16,50 @@ import signal
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import psycopg
+import pytest
 
 from generation.task.v1 import task_pb2
-from tests.conftest import ROOT, ServiceProcess, forget_waits, free_port, wait_for
+from tests.conftest import (
+    ROOT,
+    Databases,
+    ServiceProcess,
+    forget_waits,
+    free_port,
+    url_for,
+    wait_for,
+)
 from tests.test_semantics import add_row, ago
 from workers_sdk.client import GenqClient
 from workers_sdk.reconciler import Reconciler, SweepSummary
 
 Db = psycopg.Connection[dict[str, Any]]
 DEAD_LEASE = "00000000-0000-0000-0000-000000000001"
+
+
+@pytest.fixture(scope="module")
+def database_url(databases: Databases) -> str:
+    """This module's own database (the shared service's rescuer would see its zombies)."""
+    return url_for(databases.create("reconciler"))
+
+
+@pytest.fixture(scope="module")
+def service(
+    database_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServiceProcess]:
+    """The service with its rescuer idle (one sweep at start, then hourly). A running rescuer
+    ends every lapsed run at once (requeued, failed, or handed back unconfirmed), so the dead
+    zombies the reaper is for exist only where no rescuer runs: these tests write them."""
+    process = ServiceProcess(
+        database_url,
+        tmp_path_factory.mktemp("reconciler") / "serve.log",
+        GENQ_RESCUE_INTERVAL_SECONDS="3600",
+    )
+    yield process
+    process.stop()
 
 
 def run(service: ServiceProcess, scenario: Callable[[GenqClient], Awaitable[Any]]) -> Any:

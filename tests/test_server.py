@@ -60,7 +60,7 @@ def test_sigterm_finishes_calls_in_flight_then_exits(database_url: str, tmp_path
             wait_for(
                 lambda: watcher.execute(
                     "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                    "AND query LIKE '%%claim_expires_at%%'"
+                    "AND query LIKE '%%heartbeat_task_v1%%'"
                 ).fetchone(),
                 what="the heartbeat to wait on the row lock",
             )

@@ -495,7 +495,7 @@ def test_expiry_is_suspended_while_the_switch_is_off(stub: Stub, sdb: Db) -> Non
     tool_id = new_tool(stub)
     stub.UpdateSettings(task_pb2.UpdateSettingsRequest(enabled=False))
     task = queue(stub, tool_id, ttl=duration_pb2.Duration(nanos=1_000_000))
-    sweep = {"batch": 1000, "disabled_override": False}
+    sweep = {"batch": 1000, "disabled": False}
     assert sdb.execute(housekeeping.EXPIRE_SQL, sweep).fetchall() == []
     assert task_row(sdb, task.id)["status"] == "queued", "a pause keeps its backlog"
     stub.UpdateSettings(task_pb2.UpdateSettingsRequest(enabled=True))
@@ -508,18 +508,14 @@ def test_cancel_one_by_filter_and_retry(stub: Stub, sdb: Db) -> None:
     queued = queue(stub, tool_id)
     cancelled = stub.CancelTask(task_pb2.CancelTaskRequest(task_id=queued.id)).task
     assert cancelled.status == task_pb2.TASK_STATUS_CANCELLED
-    running_task = queue(stub, tool_id)
-    running = claim(stub, tool_id)
-    assert running.task.id == running_task.id
-    stub.CancelTask(task_pb2.CancelTaskRequest(task_id=running_task.id))
-    with pytest.raises(grpc.RpcError) as caught:
-        stub.HeartbeatTask(
-            task_pb2.HeartbeatTaskRequest(task_id=running_task.id, lease_token=running.lease_token)
-        )
-    assert from_rpc_error(caught.value).reason == Reason.LEASE_LOST
-    assert counters(sdb)["reserved"] == 0
+    again = stub.CancelTask(task_pb2.CancelTaskRequest(task_id=queued.id)).task
+    assert again == cancelled, "a retried cancel answers the same"
+    done = queue(stub, tool_id)
+    held = claim(stub, tool_id)
+    assert held.task.id == done.id
+    stub.CompleteTask(task_pb2.CompleteTaskRequest(task_id=done.id, lease_token=held.lease_token))
     with pytest.raises(grpc.RpcError) as finished:
-        stub.CancelTask(task_pb2.CancelTaskRequest(task_id=running_task.id))
+        stub.CancelTask(task_pb2.CancelTaskRequest(task_id=done.id))
     assert from_rpc_error(finished.value).reason == Reason.TASK_FINISHED
 
     batch = [queue(stub, tool_id, idempotency_key=f"bulk-{i}") for i in range(3)]
@@ -536,6 +532,64 @@ def test_cancel_one_by_filter_and_retry(stub: Stub, sdb: Db) -> None:
     with pytest.raises(grpc.RpcError) as not_failed:
         stub.RetryTask(task_pb2.RetryTaskRequest(task_id=other.id))
     assert from_rpc_error(not_failed.value).reason == Reason.TASK_NOT_RETRYABLE
+
+
+@pytest.mark.parametrize("report", ["CompleteTask", "FailTask", "ReleaseTask", "lease lapse"])
+def test_cancelling_a_running_task_asks_its_worker_and_keeps_the_cost(
+    stub: Stub, sdb: Db, report: str
+) -> None:
+    """Fault 16: cancel of a running task is a request. The worker hears it on its next
+    heartbeat, reports what the run cost, and the run ends cancelled; the reservation is
+    released when the run really ends, and the spend equals the ledger."""
+    set_cap(stub, UNIT)
+    tool_id = new_tool(stub, cost_estimate_nanos=10)
+    task = queue(stub, tool_id)
+    running = claim(stub, tool_id)
+    lease = {"task_id": task.id, "lease_token": running.lease_token}
+    asked = stub.CancelTask(task_pb2.CancelTaskRequest(task_id=task.id)).task
+    assert asked.status == task_pb2.TASK_STATUS_PROCESSING and asked.HasField("cancel_requested_at")
+    assert counters(sdb) == {"spent": 0, "reserved": 10}, "still running: still reserved"
+    beat = stub.HeartbeatTask(task_pb2.HeartbeatTaskRequest(**lease))
+    assert beat.cancel_requested
+
+    usage = task_pb2.ReportedUsage(cost_nanos=7)
+    if report == "CompleteTask":
+        ended = stub.CompleteTask(task_pb2.CompleteTaskRequest(**lease, reported_usage=usage)).task
+    elif report == "FailTask":
+        ended = stub.FailTask(
+            task_pb2.FailTaskRequest(
+                **lease, failure=task_pb2.FAILURE_KIND_CANCELLED, reported_usage=usage
+            )
+        ).task
+    elif report == "ReleaseTask":
+        ended = stub.ReleaseTask(task_pb2.ReleaseTaskRequest(**lease, cost_nanos=7)).task
+    else:
+        sdb.execute(
+            "UPDATE generation.tasks SET claim_expires_at = now() - interval '1 s' WHERE id = %s",
+            [task.id],
+        )
+        wait_for(lambda: task_row(sdb, task.id)["status"] == "cancelled", what="the rescue")
+        # The worker's report comes after the lapse: refused, but billed is billed.
+        with pytest.raises(grpc.RpcError) as late:
+            stub.CompleteTask(task_pb2.CompleteTaskRequest(**lease, reported_usage=usage))
+        assert from_rpc_error(late.value).reason == Reason.LEASE_LOST
+        ended = stub.GetTask(task_pb2.GetTaskRequest(task_id=task.id)).task
+
+    assert ended.status == task_pb2.TASK_STATUS_CANCELLED
+    assert counters(sdb) == {"spent": 7, "reserved": 0}
+    ledger = sdb.execute(
+        "SELECT sum(cost_nanos)::bigint AS cost FROM generation.attempts WHERE task_id = %s",
+        [task.id],
+    ).fetchone()
+    assert ledger == {"cost": 7}
+    kinds = [
+        r["kind"]
+        for r in sdb.execute(
+            "SELECT kind::text FROM generation.task_events WHERE task_id = %s ORDER BY sequence",
+            [task.id],
+        )
+    ]
+    assert kinds == ["started", "cancel_requested", "cancelled"]
 
 
 def test_queue_tasks_enqueues_many_in_one_call(stub: Stub, sdb: Db) -> None:

@@ -130,8 +130,8 @@ def set_up(service: ServiceProcess, database_url: str) -> None:
     stub.ConfigureTool(task_pb2.ConfigureToolRequest(tool_id=cats, paused=True))
 
     poems = stub.UpsertTool(task_pb2.UpsertToolRequest(name=SILENT_TOOL)).tool.id
-    for _ in range(2):
-        stub.QueueTask(task_pb2.QueueTaskRequest(tool_id=poems))
+    for _ in range(2):  # never claimable: stale even while the switch is off
+        stub.QueueTask(task_pb2.QueueTaskRequest(tool_id=poems, max_retries=0))
     stub.UpdateSettings(task_pb2.UpdateSettingsRequest(enabled=False))
 
     with psycopg.connect(database_url, autocommit=True) as db:
@@ -142,9 +142,10 @@ def set_up(service: ServiceProcess, database_url: str) -> None:
                 "  SELECT task_id, attempt FROM generation.attempts WHERE outcome = %s LIMIT 1)",
                 [minutes, outcome],
             )
-        # Never claimed for 20 minutes: stale (past 900 s), and no worker seen (600 s).
+        # Queued 20 minutes ago, and no worker seen (600 s).
         db.execute(
-            "UPDATE generation.tasks SET created_at = now() - interval '20 minutes' "
+            "UPDATE generation.tasks SET created_at = now() - interval '20 minutes', "
+            "queued_at = now() - interval '20 minutes' "
             "WHERE tool_id = %s",
             [poems],
         )

@@ -35,7 +35,12 @@ def watch_url(databases: Databases) -> str:
 def watch_service(
     watch_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServiceProcess]:
-    process = ServiceProcess(watch_url, tmp_path_factory.mktemp("watchdog") / "serve.log")
+    # The lease rescuer sweeps once at start only: a dead zombie is what it leaves behind.
+    process = ServiceProcess(
+        watch_url,
+        tmp_path_factory.mktemp("watchdog") / "serve.log",
+        GENQ_RESCUE_INTERVAL_SECONDS="3600",
+    )
     yield process
     process.stop()
 
@@ -245,6 +250,32 @@ def test_what_stale_means_is_a_stored_setting(wdb: Db, wstub: Stub, wtool: str) 
         assert force_fail(wstub, task) is Reason.TASK_NOT_STALE
     finally:
         wstub.UpdateSettings(task_pb2.UpdateSettingsRequest(queued_max_age_seconds=900))
+
+
+def test_a_lease_nobody_handed_back_is_a_dead_zombie_after_the_grace(
+    wdb: Db, wstub: Stub, wtool: str
+) -> None:
+    task = waiting_an_hour(wdb, wstub, wtool)
+    claimed = wstub.ClaimNextTask(task_pb2.ClaimNextTaskRequest(tool_id=wtool))
+    assert claimed.task.id == task
+    wdb.execute(
+        "UPDATE generation.tasks SET claim_expires_at = now() - interval '110 seconds' "
+        "WHERE id = %s",
+        [task],
+    )
+    assert stale(wstub, task) is None, "within the 120 s grace"
+    assert force_fail(wstub, task) is Reason.TASK_NOT_STALE
+    wdb.execute(
+        "UPDATE generation.tasks SET claim_expires_at = now() - interval '121 seconds' "
+        "WHERE id = %s",
+        [task],
+    )
+    assert stale(wstub, task) == task_pb2.STALE_REASON_DEAD_ZOMBIE
+    assert force_fail(wstub, task) is None
+    attempt = wdb.execute(
+        "SELECT outcome::text FROM generation.attempts WHERE task_id = %s", [task]
+    ).fetchone()
+    assert attempt == {"outcome": "abandoned"}, "its reservation released"
 
 
 def status(db: Db, task_id: str) -> str:

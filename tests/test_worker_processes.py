@@ -194,10 +194,12 @@ def test_stopped_worker_completion_is_refused_after_another_completed(
 ) -> None:
     """Fault 3: SIGSTOP past the lease, another worker completes, SIGCONT: the stopped worker's
     CompleteTask is refused with LEASE_LOST and the other worker's result stands."""
-    # A's task takes 0.8 s, well inside the 2 s lease, so A needs no heartbeat: its lease
-    # lapses only because A is stopped. Without a beat falling due, resumed A goes straight to
-    # CompleteTask with its old token. (A beat that hears LEASE_LOST first makes the fleet drop
-    # the result without trying: tests/test_fleet.py covers that path.)
+    # A's task takes 0.8 s; A is stopped right after its first event, so its lease lapses only
+    # because A is stopped. Resumed, its handler's sleep and its next beat (due every third of
+    # the 2 s lease) are both overdue: the handler returns at once and the fleet stops the beat
+    # before an answer can come back, so A goes straight to CompleteTask with its old token. (A
+    # beat that hears LEASE_LOST first makes the fleet drop the result without trying:
+    # tests/test_fleet.py covers that path.)
     a = start_worker("A", GENQ_HEARTBEAT_INTERVAL="30")
     task_id = queue(short_leases.stub, tool[1], input={"seconds": 0.8})
     wait_for(lambda: starts(sdb, task_id) == ["A"], timeout=20, what="worker A to start")

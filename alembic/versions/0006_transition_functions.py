@@ -733,7 +733,7 @@ BEGIN
     END IF;
     -- 5. Not held now: the same lease already released it -> the same answer.
     SELECT * INTO a FROM generation.attempts AS x WHERE x.task_id = p_task AND x.lease_token = p_token;
-    IF a.outcome IN ('released', 'cancelled', 'unconfirmed') THEN
+    IF a.outcome IN ('released', 'cancelled') THEN
         RETURN QUERY SELECT true, t, NULL::jsonb;
         RETURN;
     END IF;
