@@ -1,0 +1,608 @@
+"""The lifecycle under faults (GUIDE §5: 5, 11, 15, 17, 18, 19 and the lock order), driven from
+outside the service: lost answers through proxies, racing callers on threads, replicas as
+processes. After each, tests/invariants.py checks in SQL what must hold.
+
+(Faults 6-8, 14 and 20 are in test_database_faults.py, 21 in test_migrations.py, 2-3 and the
+poison task in test_worker_processes.py, 16 in test_spend.py, the watchdog in test_watchdog.py.)
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+from urllib.parse import urlsplit
+
+import grpc
+import psycopg
+import pytest
+from psycopg.rows import dict_row
+
+from generation.task.v1 import task_pb2, task_pb2_grpc
+from tests.conftest import Databases, ServiceProcess, url_for, wait_for
+from tests.invariants import assert_invariants
+from tests.tcp_proxy import AnswerDroppingProxy, TcpProxy
+from tests.test_semantics import Db, Stub, claim, confirm, queue, row
+from workers_sdk.errors import Reason, from_rpc_error
+
+
+def lapse(db: Db, task_id: str) -> None:
+    db.execute(
+        "UPDATE generation.tasks SET claim_expires_at = now() - interval '1 second' "
+        "WHERE id = %s AND status = 'processing'",
+        [task_id],
+    )
+    wait_for(lambda: row(db, task_id)["status"] != "processing", what="the rescuer")
+
+
+# --- lost claim answers (fault 15) ------------------------------------------------------------
+
+
+@pytest.fixture
+def dropping(service: ServiceProcess) -> Iterator[Stub]:
+    """A stub whose every answer is lost on the way back (the calls themselves are served)."""
+    host, port = service.address.rsplit(":", 1)
+    proxy = AnswerDroppingProxy((host, int(port)))
+    proxy.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{proxy.port}")
+    yield task_pb2_grpc.GenerationDataServiceStub(channel)
+    channel.close()
+    proxy.cut()
+
+
+def test_lost_claim_answers_cost_no_run_then_end_with_their_own_error(
+    stub: Stub, db: Db, tool_id: str, dropping: Stub
+) -> None:
+    """Seen: a task with max_retries 1 was dead after 2 lost answers. Now it survives any
+    number below the bound (20), and then fails with its own error, not as a normal failure."""
+    task = queue(stub, tool_id, max_retries=1)
+    for lost in range(1, 11):
+        with pytest.raises(grpc.RpcError) as caught:
+            dropping.ClaimNextTask(task_pb2.ClaimNextTaskRequest(tool_id=tool_id), timeout=0.5)
+        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert row(db, task.id)["status"] == "processing", "the claim was served"
+        lapse(db, task.id)
+        stored = row(db, task.id)
+        assert (stored["status"], stored["retry_count"]) == ("queued", 0)
+        assert stored["unconfirmed_claims"] == lost
+
+    db.execute("UPDATE generation.tasks SET unconfirmed_claims = 19 WHERE id = %s", [task.id])
+    with pytest.raises(grpc.RpcError):
+        dropping.ClaimNextTask(task_pb2.ClaimNextTaskRequest(tool_id=tool_id), timeout=0.5)
+    lapse(db, task.id)
+    stored = row(db, task.id)
+    assert stored["status"] == "failed"
+    assert stored["error"].startswith("claim answers lost")
+    assert stored["retry_count"] == 0
+    outcomes = db.execute(
+        "SELECT DISTINCT outcome::text FROM generation.attempts WHERE task_id = %s", [task.id]
+    ).fetchall()
+    assert outcomes == [{"outcome": "unconfirmed"}], "no claim that never arrived counts as a run"
+    assert_invariants(db, tool_id, [task.id])
+
+
+def test_claims_whose_deadline_passes_are_handed_back_at_once(
+    service: ServiceProcess, stub: Stub, db: Db, tool_id: str
+) -> None:
+    """Seen: with 5-50 ms deadlines, 110-170 of 800 claims were orphaned until their lease
+    lapsed, and then charged a retry. Now the service hands back what the caller could not
+    receive; whatever it could not tell (the answer lost after it left) costs no retry either."""
+    tasks = [
+        t.id
+        for t in stub.QueueTasks(
+            task_pb2.QueueTasksRequest(
+                tool_id=tool_id,
+                tasks=[task_pb2.QueueTaskRequest(max_retries=1) for _ in range(300)],
+            )
+        ).tasks
+    ]
+    received: list[str] = []
+
+    def storm(seed: int) -> None:
+        rng = random.Random(seed)
+        with grpc.insecure_channel(service.address) as channel:
+            own = task_pb2_grpc.GenerationDataServiceStub(channel)
+            deadline = time.monotonic() + 4
+            while time.monotonic() < deadline:
+                try:
+                    answer = own.ClaimNextTask(
+                        task_pb2.ClaimNextTaskRequest(tool_id=tool_id),
+                        timeout=rng.uniform(0.005, 0.05),
+                    )
+                except grpc.RpcError:
+                    continue
+                if answer.HasField("task"):
+                    received.append(answer.task.id)
+                    own.CompleteTask(
+                        task_pb2.CompleteTaskRequest(
+                            task_id=answer.task.id, lease_token=answer.lease_token
+                        ),
+                        timeout=10,
+                    )
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(storm, range(8)))
+
+    handed_back = db.execute(
+        "SELECT count(*) AS n FROM generation.attempts WHERE tool_id = %s "
+        "AND outcome = 'unconfirmed'",
+        [tool_id],
+    ).fetchone()
+    orphans = [
+        r["id"]
+        for r in db.execute(
+            "SELECT id FROM generation.tasks WHERE tool_id = %s AND status = 'processing'",
+            [tool_id],
+        )
+    ]
+    assert handed_back is not None and handed_back["n"] > 0, "no deadline passed: no test"
+    assert len(orphans) <= handed_back["n"], "most of them were handed back at once"
+    for task_id in orphans:  # answers lost after they left: their unconfirmed leases lapse
+        lapse(db, str(task_id))
+    while answer := stub.ClaimNextTask(task_pb2.ClaimNextTaskRequest(tool_id=tool_id)):
+        if not answer.HasField("task"):
+            break
+        stub.CompleteTask(
+            task_pb2.CompleteTaskRequest(task_id=answer.task.id, lease_token=answer.lease_token)
+        )
+    done = db.execute(
+        "SELECT status::text, max(retry_count) AS retries, count(*) AS n "
+        "FROM generation.tasks WHERE tool_id = %s GROUP BY status",
+        [tool_id],
+    ).fetchall()
+    assert done == [{"status": "completed", "retries": 0, "n": 300}], "no task lost a run"
+    assert_invariants(db, tool_id, tasks)
+
+
+# --- counting runs ----------------------------------------------------------------------------
+
+
+def test_max_retries_bounds_runs_the_same_whatever_ends_them(
+    stub: Stub, db: Db, tool_id: str
+) -> None:
+    """Seen: a task crashing its worker every time ran 4 times with max_retries 3; one failing
+    cleanly ran 3 times. Now both run 3 times."""
+    crashing = queue(stub, tool_id, max_retries=3)
+    runs = 0
+    while (claimed := claim(stub, tool_id)).HasField("task"):
+        runs += 1
+        confirm(stub, claimed)  # the worker got it, started, and died
+        lapse(db, crashing.id)
+    assert runs == 3 and row(db, crashing.id)["status"] == "failed"
+
+    failing = queue(stub, tool_id, max_retries=3)
+    runs = 0
+    while (claimed := claim(stub, tool_id)).HasField("task"):
+        runs += 1
+        stub.FailTask(
+            task_pb2.FailTaskRequest(
+                task_id=claimed.task.id, lease_token=claimed.lease_token, increment_retry=True
+            )
+        )
+    assert runs == 3 and row(db, failing.id)["status"] == "failed"
+    assert_invariants(db, tool_id, [crashing.id, failing.id])
+
+
+@pytest.mark.parametrize("stop", ["ReleaseTask", "account error"])
+def test_a_deliberate_stop_on_the_last_retry_gives_it_back(
+    stub: Stub, db: Db, tool_id: str, stop: str
+) -> None:
+    """Seen: a task reclaimed on its last retry, then released by the SIGTERM drain (or
+    requeued by an account error), had no retries left and was reaped."""
+    task = queue(stub, tool_id, max_retries=2)
+    first = claim(stub, tool_id)
+    confirm(stub, first)
+    lapse(db, task.id)  # one run used by the crash
+    last = claim(stub, tool_id)
+    assert last.task.id == task.id and last.task.retry_count == 1
+    if stop == "ReleaseTask":
+        stub.ReleaseTask(task_pb2.ReleaseTaskRequest(task_id=task.id, lease_token=last.lease_token))
+    else:
+        stub.FailTask(
+            task_pb2.FailTaskRequest(
+                task_id=task.id, lease_token=last.lease_token, failure=task_pb2.FAILURE_KIND_ACCOUNT
+            )
+        )
+        db.execute("DELETE FROM generation.holds")  # the hold is not what this test is about
+    stored = row(db, task.id)
+    assert (stored["status"], stored["retry_count"]) == ("queued", 1)
+    again = claim(stub, tool_id)
+    assert again.task.id == task.id, "its last run is still there"
+    stub.CompleteTask(task_pb2.CompleteTaskRequest(task_id=task.id, lease_token=again.lease_token))
+    assert_invariants(db, tool_id, [task.id])
+
+
+# --- settlement racing a requeue (fault 17) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("requeue", ["RetryTask", "QueueTask REQUEUE"])
+def test_a_settlement_racing_a_requeue_never_refunds_a_task_that_runs_again(
+    service: ServiceProcess, stub: Stub, db: Db, tool_id: str, requeue: str
+) -> None:
+    settled_now = 0
+    for attempt in range(15):
+        key = f"race-{attempt}"
+        task = queue(stub, tool_id, reserved_token_amount=100, idempotency_key=key, max_retries=1)
+        claimed = claim(stub, tool_id)
+        stub.FailTask(
+            task_pb2.FailTaskRequest(
+                task_id=task.id, lease_token=claimed.lease_token, increment_retry=False
+            )
+        )
+        start = threading.Barrier(2)
+
+        def settle(task_id: str = task.id, start: threading.Barrier = start) -> None:
+            start.wait()
+            try:
+                answer = stub.SettleTask(task_pb2.SettleTaskRequest(task_id=task_id))
+            except grpc.RpcError as error:  # the requeue came first
+                assert from_rpc_error(error).reason is Reason.TASK_NOT_TERMINAL
+                return
+            nonlocal settled_now
+            settled_now += answer.settled_now
+
+        def again(task_id: str = task.id, key: str = key, start: threading.Barrier = start) -> None:
+            start.wait()
+            if requeue == "RetryTask":
+                stub.RetryTask(
+                    task_pb2.RetryTaskRequest(task_id=task_id, reserved_token_amount=100)
+                )
+            else:
+                stub.QueueTask(
+                    task_pb2.QueueTaskRequest(
+                        tool_id=tool_id,
+                        idempotency_key=key,
+                        reserved_token_amount=100,
+                        max_retries=1,
+                        on_conflict=task_pb2.ON_CONFLICT_REQUEUE,
+                    )
+                )
+
+        with ThreadPoolExecutor(2) as pool:
+            for done in [pool.submit(settle), pool.submit(again)]:
+                done.result()
+        stored = row(db, task.id)
+        assert stored["status"] == "queued"
+        assert stored["settled_at"] is None, "a task that runs again is not settled"
+        # It runs again and ends: its round settles exactly once more (or first, now).
+        rerun = claim(stub, tool_id)
+        stub.CompleteTask(
+            task_pb2.CompleteTaskRequest(
+                task_id=task.id,
+                lease_token=rerun.lease_token,
+                reported_usage=task_pb2.ReportedUsage(token_amount=30),
+            )
+        )
+        final = stub.SettleTask(task_pb2.SettleTaskRequest(task_id=task.id)).settlement
+        assert final.charged_token_amount == 30
+        assert final.settlement_round == stored["settlement_round"]
+        assert_invariants(db, tool_id, [task.id])
+    assert settled_now > 0, "no settlement came first: no race"
+
+
+# --- one lease, two completes (fault 18) ------------------------------------------------------
+
+
+def test_concurrent_completes_under_one_lease_both_succeed(
+    service: ServiceProcess, stub: Stub, db: Db, tool_id: str
+) -> None:
+    """Seen: 2-19 of 25 concurrent pairs answered ABORTED. Same lease, same answer, always."""
+    for _ in range(25):
+        task = queue(stub, tool_id)
+        claimed = claim(stub, tool_id)
+        request = task_pb2.CompleteTaskRequest(
+            task_id=task.id,
+            lease_token=claimed.lease_token,
+            output={"n": 1},
+            reported_usage=task_pb2.ReportedUsage(cost_nanos=5),
+        )
+        start = threading.Barrier(2)
+
+        def complete(request: Any = request, start: threading.Barrier = start) -> task_pb2.Task:
+            start.wait()
+            return stub.CompleteTask(request, timeout=10).task
+
+        with ThreadPoolExecutor(2) as pool:
+            answers = [f.result() for f in [pool.submit(complete), pool.submit(complete)]]
+        assert answers[0] == answers[1]
+        assert answers[0].status == task_pb2.TASK_STATUS_COMPLETED
+        ledger = db.execute(
+            "SELECT outcome::text, cost_nanos FROM generation.attempts WHERE task_id = %s",
+            [task.id],
+        ).fetchall()
+        assert ledger == [{"outcome": "completed", "cost_nanos": 5}], "counted once"
+    assert_invariants(db, tool_id)
+
+
+def test_a_retried_complete_while_the_first_still_commits_gets_the_same_answer(
+    stub: Stub, db: Db, database_url: str, tool_id: str
+) -> None:
+    """The first CompleteTask holds the row (here: it waits behind a lock we hold, as a slow
+    commit would); the worker's retry arrives meanwhile. Both answer success."""
+    task = queue(stub, tool_id)
+    claimed = claim(stub, tool_id)
+    request = task_pb2.CompleteTaskRequest(task_id=task.id, lease_token=claimed.lease_token)
+    with psycopg.connect(database_url) as blocker:
+        blocker.execute("SELECT 1 FROM generation.tasks WHERE id = %s FOR UPDATE", [task.id])
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(stub.CompleteTask, request, timeout=20)
+            wait_for(lambda: waiting_on_lock(db, "complete_task_v1") >= 1, what="the first")
+            retry = pool.submit(stub.CompleteTask, request, timeout=20)
+            wait_for(lambda: waiting_on_lock(db, "complete_task_v1") >= 2, what="the retry")
+            blocker.rollback()
+            assert first.result().task == retry.result().task
+    assert row(db, task.id)["status"] == "completed"
+
+
+def waiting_on_lock(db: Db, function: str) -> int:
+    found = db.execute(
+        "SELECT count(*) AS n FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+        "AND query LIKE %s",
+        [f"%{function}%"],
+    ).fetchone()
+    return int(found["n"]) if found else 0
+
+
+# --- an answer lost at COMMIT (fault 5) -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def db_proxy_service(
+    databases: Databases, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[ServiceProcess, TcpProxy, str]]:
+    """The service reaching Postgres through a proxy that can lose one answer after commit."""
+    url = url_for(databases.create("commit_cut"))
+    target = urlsplit(url)
+    proxy = TcpProxy((target.hostname or "127.0.0.1", target.port or 5432))
+    proxy.start()
+    proxied = target._replace(netloc=f"postgres@127.0.0.1:{proxy.port}").geturl()
+    service = ServiceProcess(proxied, tmp_path_factory.mktemp("commit_cut") / "serve.log")
+    yield service, proxy, url
+    service.stop()
+    proxy.cut()
+
+
+def test_a_complete_whose_commit_answer_is_lost_is_retried_to_the_same_answer(
+    db_proxy_service: tuple[ServiceProcess, TcpProxy, str],
+) -> None:
+    service, proxy, url = db_proxy_service
+    stub = service.stub
+    tool_id = str(stub.UpsertTool(task_pb2.UpsertToolRequest(name="commit-cut")).tool.id)
+    task = queue(stub, tool_id, reserved_token_amount=50)
+    claimed = claim(stub, tool_id)
+    request = task_pb2.CompleteTaskRequest(
+        task_id=task.id,
+        lease_token=claimed.lease_token,
+        reported_usage=task_pb2.ReportedUsage(token_amount=20, cost_nanos=9),
+    )
+    proxy.cut_after_request(b"complete_task_v1", b"SELECT 1\x00")
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.CompleteTask(request, timeout=20)
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE, "retryable, as clients do"
+    assert proxy.cuts == 1
+    with psycopg.connect(url, autocommit=True, row_factory=dict_row) as db:
+        assert row(db, task.id)["status"] == "completed", "it committed before the cut"
+        again = wait_for(lambda: retried(stub, request), what="the retry to get through")
+        assert again.task.status == task_pb2.TASK_STATUS_COMPLETED
+        settlements = [
+            stub.SettleTask(task_pb2.SettleTaskRequest(task_id=task.id)) for _ in range(2)
+        ]
+        assert [s.settled_now for s in settlements] == [True, False]
+        ledger = db.execute(
+            "SELECT count(*) AS n, sum(cost_nanos)::bigint AS cost FROM generation.attempts "
+            "WHERE task_id = %s",
+            [task.id],
+        ).fetchone()
+        assert ledger == {"n": 1, "cost": 9}
+        assert_invariants(db, tool_id, [task.id])
+
+
+def retried(stub: Stub, request: Any) -> Any:
+    try:
+        return stub.CompleteTask(request, timeout=5)
+    except grpc.RpcError as error:
+        if error.code() == grpc.StatusCode.UNAVAILABLE:
+            return None
+        raise
+
+
+# --- events racing the end (fault 19) ---------------------------------------------------------
+
+
+def test_events_racing_the_terminal_transition_never_follow_it(
+    service: ServiceProcess, stub: Stub, db: Db, tool_id: str
+) -> None:
+    for _ in range(10):
+        task = queue(stub, tool_id)
+        claimed = claim(stub, tool_id)
+        lease = {"task_id": task.id, "lease_token": claimed.lease_token}
+        stop = threading.Event()
+
+        def publish(lease: dict[str, str] = lease, stop: threading.Event = stop) -> int:
+            sent = 0
+            with grpc.insecure_channel(service.address) as channel:
+                own = task_pb2_grpc.GenerationDataServiceStub(channel)
+                while not stop.is_set():
+                    try:
+                        own.PublishTaskEvent(
+                            task_pb2.PublishTaskEventRequest(
+                                **lease, kind=task_pb2.TASK_EVENT_KIND_PROGRESS
+                            )
+                        )
+                        sent += 1
+                    except grpc.RpcError as error:
+                        assert from_rpc_error(error).reason is Reason.LEASE_LOST
+                        return sent
+            return sent
+
+        with ThreadPoolExecutor(3) as pool:
+            publishers = [pool.submit(publish) for _ in range(3)]
+            wait_for(lambda task_id=task.id: events(db, task_id)[-1][1] == "progress")
+            stub.CompleteTask(task_pb2.CompleteTaskRequest(**lease))
+            stop.set()
+            assert sum(p.result() for p in publishers) > 0
+        stream = events(db, task.id)
+        assert [seq for seq, _ in stream] == list(range(1, len(stream) + 1)), "no gaps"
+        assert stream[-1][1] == "completed", "nothing after the terminal event"
+        watched = [
+            (e.event.sequence, e.event.kind)
+            for e in stub.WatchTaskEvents(task_pb2.WatchTaskEventsRequest(task_id=task.id))
+        ]
+        assert len(watched) == len(stream), "a follower sees every event"
+
+
+def events(db: Db, task_id: str) -> list[tuple[int, str]]:
+    return [
+        (int(r["sequence"]), str(r["kind"]))
+        for r in db.execute(
+            "SELECT sequence, kind::text FROM generation.task_events WHERE task_id = %s "
+            "ORDER BY sequence",
+            [task_id],
+        )
+    ] or [(0, "")]
+
+
+def test_every_transition_is_in_the_tasks_stream(stub: Stub, db: Db, tool_id: str) -> None:
+    """Seen: CancelTasks, RetryTask, REQUEUE, the rescuer and reclaims wrote no event."""
+    task = queue(stub, tool_id, idempotency_key="stream", max_retries=3)
+    confirm(stub, claim(stub, tool_id))
+    lapse(db, task.id)  # the rescuer
+    claim(stub, tool_id)  # a reclaim
+    stub.CancelTasks(task_pb2.CancelTasksRequest(tool_id=tool_id, include_processing=True))
+    reclaimed = row(db, task.id)
+    stub.ReleaseTask(
+        task_pb2.ReleaseTaskRequest(task_id=task.id, lease_token=str(reclaimed["lease_token"]))
+    )
+    stub.RetryTask(task_pb2.RetryTaskRequest(task_id=task.id))
+    stub.CancelTasks(task_pb2.CancelTasksRequest(tool_id=tool_id))
+    stub.QueueTask(
+        task_pb2.QueueTaskRequest(
+            tool_id=tool_id,
+            idempotency_key="stream",
+            max_retries=3,
+            on_conflict=task_pb2.ON_CONFLICT_REQUEUE,
+        )
+    )
+    assert [kind for _, kind in events(db, task.id)] == [
+        "started",
+        "requeued",  # the lease lapsed
+        "started",
+        "cancel_requested",
+        "cancelled",  # its worker stopped
+        "requeued",  # RetryTask
+        "cancelled",  # CancelTasks
+        "requeued",  # QueueTask REQUEUE
+    ]
+
+
+# --- lock order -------------------------------------------------------------------------------
+
+
+def test_a_paid_claim_never_waits_for_an_open_enqueue(
+    stub: Stub, db: Db, database_url: str, tool_id: str
+) -> None:
+    """Seen: a paid claim took FOR UPDATE on its tool row, which waits for the FK's KEY SHARE of
+    every open enqueue of that tool: one 1,000-item QueueTasks stalled every paid claim."""
+    stub.ConfigureTool(task_pb2.ConfigureToolRequest(tool_id=tool_id, cost_estimate_nanos=10))
+    task = queue(stub, tool_id)
+    with psycopg.connect(database_url) as enqueue:  # an enqueue that has not committed yet
+        enqueue.execute("INSERT INTO generation.tasks (tool_id) VALUES (%s)", [tool_id])
+        claimed = stub.ClaimNextTask(task_pb2.ClaimNextTaskRequest(tool_id=tool_id), timeout=5)
+        assert claimed.task.id == task.id
+        stub.CompleteTask(
+            task_pb2.CompleteTaskRequest(
+                task_id=task.id,
+                lease_token=claimed.lease_token,
+                reported_usage=task_pb2.ReportedUsage(cost_nanos=3),
+            ),
+            timeout=5,
+        )
+        enqueue.rollback()
+    assert_invariants(db, tool_id, [task.id])
+
+
+# --- overrides bind every replica -------------------------------------------------------------
+
+
+def test_an_override_in_one_replicas_environment_binds_every_replica(
+    databases: Databases, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Seen: GENQ_DISABLED on one of five replicas stopped a fifth of the claims."""
+    url = url_for(databases.create("overrides"))
+    logs = tmp_path_factory.mktemp("overrides")
+    plain = ServiceProcess(url, logs / "plain.log")
+    try:
+        tool_id = str(plain.stub.UpsertTool(task_pb2.UpsertToolRequest(name="t")).tool.id)
+        queue(plain.stub, tool_id)
+
+        def idle() -> int:
+            return int(
+                plain.stub.ClaimNextTask(task_pb2.ClaimNextTaskRequest(tool_id=tool_id)).idle_reason
+            )
+
+        off = ServiceProcess(url, logs / "off.log", GENQ_DISABLED="true")
+        try:
+            assert idle() == task_pb2.IDLE_REASON_DISABLED, "the other replica obeys it"
+            settings = plain.stub.GetSettings(task_pb2.GetSettingsRequest()).settings
+            assert settings.disabled_by_environment
+        finally:
+            off.stop()
+        capped = ServiceProcess(url, logs / "capped.log", GENQ_DAILY_CAP_NANOS="0")
+        try:
+            assert idle() == task_pb2.IDLE_REASON_CAPPED
+        finally:
+            capped.stop()
+        claimed = plain.stub.ClaimNextTask(task_pb2.ClaimNextTaskRequest(tool_id=tool_id))
+        assert claimed.HasField("task"), "a replica's override goes with it"
+    finally:
+        plain.stop()
+
+
+# --- spend never drops by a settings change ---------------------------------------------------
+
+
+def test_a_time_zone_change_never_drops_todays_spend(
+    databases: Databases, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    url = url_for(databases.create("timezone"))
+    service = ServiceProcess(url, tmp_path_factory.mktemp("timezone") / "serve.log")
+    try:
+        stub = service.stub
+        tool_id = str(stub.UpsertTool(task_pb2.UpsertToolRequest(name="t")).tool.id)
+        task = queue(stub, tool_id)
+        claimed = claim(stub, tool_id)
+        stub.CompleteTask(
+            task_pb2.CompleteTaskRequest(
+                task_id=task.id,
+                lease_token=claimed.lease_token,
+                reported_usage=task_pb2.ReportedUsage(cost_nanos=42),
+            )
+        )
+        before = stub.GetSettings(task_pb2.GetSettingsRequest()).settings
+        # Two zones 24 hours apart: one of them puts "today" on another date than the first.
+        for zone in ("Etc/GMT+12", "Etc/GMT-12", "Etc/GMT+12"):
+            after = stub.UpdateSettings(task_pb2.UpdateSettingsRequest(timezone=zone)).settings
+            assert after.spent_today_nanos == before.spent_today_nanos == 42, zone
+            tool = stub.GetTool(task_pb2.GetToolRequest(tool_id=tool_id)).tool
+            assert tool.spent_today_nanos == 42, zone
+        with psycopg.connect(url, autocommit=True, row_factory=dict_row) as db:
+            assert_invariants(db, tool_id, [task.id])
+    finally:
+        service.stop()
+
+
+# --- the lease floor --------------------------------------------------------------------------
+
+
+def test_a_lease_shorter_than_the_floor_is_refused(stub: Stub, tool_id: str) -> None:
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.ConfigureTool(task_pb2.ConfigureToolRequest(tool_id=tool_id, lease_seconds=1))
+    error = from_rpc_error(caught.value)
+    assert error.code == grpc.StatusCode.INVALID_ARGUMENT and "lease_seconds" in str(error)
+    stub.ConfigureTool(task_pb2.ConfigureToolRequest(tool_id=tool_id, lease_seconds=10))
+    answer = stub.QueueTask(task_pb2.QueueTaskRequest(tool_id=tool_id))
+    claimed = stub.ClaimNextTask(task_pb2.ClaimNextTaskRequest(tool_id=tool_id))
+    assert claimed.task.id == answer.task.id and claimed.lease.seconds == 10
