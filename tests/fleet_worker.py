@@ -7,7 +7,8 @@ The handler first publishes a progress event "started by <WORKER_ID>" (so a test
 which worker runs what), then sleeps `input.seconds` in one sleep (no event after it: a worker
 resumed after SIGSTOP must reach CompleteTask, not learn of its lost lease from a publish) and
 returns {"worker": WORKER_ID}. When `input.hang_on` names this worker it never finishes on its
-own: it runs until the process is killed or the drain gives up on it.
+own: it runs until the process is killed or the drain gives up on it. A task with `input.poison`
+kills the worker's process (exit 137, as an OOM kill would) right after that first event.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ WORKER_ID = os.environ["WORKER_ID"]
 
 async def handle(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
     await ctx.progress(0.0, f"started by {WORKER_ID}")
+    if ctx.input.get("poison"):
+        os._exit(137)
     if ctx.input.get("hang_on") == WORKER_ID:
         await asyncio.Event().wait()
     await asyncio.sleep(float(ctx.input.get("seconds", 0.0)))

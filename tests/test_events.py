@@ -9,7 +9,7 @@ import json
 import threading
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import pytest
@@ -179,7 +179,8 @@ def stream_holds(
     """A wait_for condition: the stream's entries' fields once it holds `count` of them."""
 
     def check() -> list[dict[str, str]] | None:
-        found = [fields for _, fields in client.xrange(stream)]
+        entries = cast(list[tuple[str, dict[str, str]]], client.xrange(stream))
+        found = [fields for _, fields in entries]
         return found if len(found) >= count else None
 
     return check
@@ -278,7 +279,8 @@ def test_the_mirror_orders_events_added_out_of_order_and_drops_late_ones() -> No
                 await asyncio.sleep(0.01)
             signals.event_added(event(tasks[0], 3))  # late: 30 is written already
             await signals.close()
-            return [[f for _, f in await reader.xrange(s)] for s in streams]
+            written = [await reader.xrange(s) for s in streams]
+            return [[dict(f) for _, f in cast(list[tuple[str, Any]], w)] for w in written]
         finally:
             async for key in reader.scan_iter(f"{environment}:*"):
                 await reader.delete(key)

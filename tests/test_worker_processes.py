@@ -22,6 +22,7 @@ from psycopg.rows import dict_row
 
 from generation.task.v1 import task_pb2, task_pb2_grpc
 from tests.conftest import ROOT, Databases, ServiceProcess, url_for, wait_for
+from tests.invariants import assert_invariants
 
 LEASE_SECONDS = 2
 Db = psycopg.Connection[dict[str, Any]]
@@ -298,3 +299,33 @@ def test_example_worker_renders_and_drains(
     assert kinds == ["started", "streaming_url"] + ["progress"] * 5 + ["completed"]
     worker.send(signal.SIGTERM)
     assert worker.wait(15) == 0, worker.output()
+
+
+def test_a_poison_task_that_kills_every_worker_runs_max_retries_times_then_fails(
+    short_leases: ServiceProcess, sdb: Db, tool: tuple[str, str], start_worker: Any
+) -> None:
+    """Fault 11: each run kills its worker's process. Every run was confirmed (the fleet beats
+    once before the handler starts), so each lapse costs one retry: 3 runs, then failed at once,
+    the reservation released with every run's, and one settlement."""
+    stub = short_leases.stub
+    stub.ConfigureTool(task_pb2.ConfigureToolRequest(tool_id=tool[1], cost_estimate_nanos=100))
+    task_id = queue(stub, tool[1], input={"poison": True}, max_retries=3, reserved_token_amount=10)
+    crashes = 0
+    while row(sdb, task_id)["status"] != "failed":
+        assert crashes < 3, "a fourth run"
+        worker = start_worker(f"P{crashes}")
+        assert worker.process.wait(timeout=60) == 137, worker.output()
+        crashes += 1
+        wait_for(
+            lambda: row(sdb, task_id)["status"] != "processing",
+            timeout=30,
+            what="the lapsed run to be ended",
+        )
+    assert crashes == 3
+    failed = row(sdb, task_id)
+    assert (failed["retry_count"], failed["error"]) == (3, "lease lapsed on its last run")
+    settlement = stub.SettleTask(task_pb2.SettleTaskRequest(task_id=task_id))
+    again = stub.SettleTask(task_pb2.SettleTaskRequest(task_id=task_id))
+    assert (settlement.settled_now, again.settled_now) == (True, False)
+    assert settlement.settlement.refunded_token_amount == 10
+    assert_invariants(sdb, tool[1], [task_id])

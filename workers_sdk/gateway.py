@@ -113,7 +113,8 @@ class GatewayClient:
     ) -> AsyncIterator[task_pb2.TaskEvent]:
         """Yields the task's events after `after_sequence` (0: all of them), then the live ones,
         and ends after the terminal event (COMPLETED, FAILED, CANCELLED or EXPIRED). A REQUEUED
-        event is not the end: the task runs again.
+        event is not the end (the task runs again, each run opening with STARTED), nor is
+        CANCEL_REQUESTED (CANCELLED follows once the running worker stops).
 
         `timeout` bounds the whole watch (None: until the terminal event). If the stream breaks
         (GenqError, e.g. UNAVAILABLE), call again with the last `sequence` seen to resume
