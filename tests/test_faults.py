@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -440,7 +441,7 @@ def test_events_racing_the_terminal_transition_never_follow_it(
 
         with ThreadPoolExecutor(3) as pool:
             publishers = [pool.submit(publish) for _ in range(3)]
-            wait_for(lambda task_id=task.id: events(db, task_id)[-1][1] == "progress")
+            wait_for(partial(published, db, task.id), what="a progress event")
             stub.CompleteTask(task_pb2.CompleteTaskRequest(**lease))
             stop.set()
             assert sum(p.result() for p in publishers) > 0
@@ -452,6 +453,10 @@ def test_events_racing_the_terminal_transition_never_follow_it(
             for e in stub.WatchTaskEvents(task_pb2.WatchTaskEventsRequest(task_id=task.id))
         ]
         assert len(watched) == len(stream), "a follower sees every event"
+
+
+def published(db: Db, task_id: str) -> bool:
+    return events(db, task_id)[-1][1] == "progress"
 
 
 def events(db: Db, task_id: str) -> list[tuple[int, str]]:

@@ -96,13 +96,14 @@ def test_lapsed_lease_changes_nothing_even_before_the_rescue(
             [task.id],
         )
         before = row(db, task.id)
-        for method, extra in {
+        extras: dict[str, dict[str, Any]] = {
             "HeartbeatTask": {"lease_seconds": 120},
             "CompleteTask": {"output": None, "reported_usage": None},
             "FailTask": {"failure": "retryable", "error": None},
             "ReleaseTask": {},
             "PublishTaskEvent": {"kind": "progress", "data": None},
-        }.items():
+        }
+        for method, extra in extras.items():
             answer = db.execute(STATEMENTS[method], {**params, **extra}).fetchone()
             assert answer is not None and answer["task_found"], method
             changed = "claim_expires_at" if method == "HeartbeatTask" else "id"

@@ -91,12 +91,12 @@ def force_fail(stub: Stub, task_id: str) -> Reason | None:
     return None
 
 
-def no_cap(db: Db, stub: Stub, tool_id: str) -> Callable[[], None]:
+def no_cap(db: Db, stub: Stub, tool_id: str) -> Callable[[], object]:
     stub.UpdateSettings(task_pb2.UpdateSettingsRequest(clear=["daily_cap_nanos"]))
     return lambda: stub.UpdateSettings(task_pb2.UpdateSettingsRequest(daily_cap_nanos=UNLIMITED))
 
 
-def cap_reached(db: Db, stub: Stub, tool_id: str) -> Callable[[], None]:
+def cap_reached(db: Db, stub: Stub, tool_id: str) -> Callable[[], object]:
     stub.ConfigureTool(
         task_pb2.ConfigureToolRequest(tool_id=tool_id, cost_estimate_nanos=10, daily_cap_nanos=5)
     )
@@ -105,12 +105,12 @@ def cap_reached(db: Db, stub: Stub, tool_id: str) -> Callable[[], None]:
     )
 
 
-def switch_off(db: Db, stub: Stub, tool_id: str) -> Callable[[], None]:
+def switch_off(db: Db, stub: Stub, tool_id: str) -> Callable[[], object]:
     stub.UpdateSettings(task_pb2.UpdateSettingsRequest(enabled=False))
     return lambda: stub.UpdateSettings(task_pb2.UpdateSettingsRequest(enabled=True))
 
 
-def switch_off_by_a_replica(db: Db, stub: Stub, tool_id: str) -> Callable[[], None]:
+def switch_off_by_a_replica(db: Db, stub: Stub, tool_id: str) -> Callable[[], object]:
     """Another replica runs with GENQ_DISABLED=true (its row, as its housekeeping writes it)."""
     replica = uuid.uuid4()
     db.execute(
@@ -122,12 +122,12 @@ def switch_off_by_a_replica(db: Db, stub: Stub, tool_id: str) -> Callable[[], No
     )
 
 
-def paused(db: Db, stub: Stub, tool_id: str) -> Callable[[], None]:
+def paused(db: Db, stub: Stub, tool_id: str) -> Callable[[], object]:
     stub.ConfigureTool(task_pb2.ConfigureToolRequest(tool_id=tool_id, paused=True))
     return lambda: stub.ConfigureTool(task_pb2.ConfigureToolRequest(tool_id=tool_id, paused=False))
 
 
-def group_held(db: Db, stub: Stub, tool_id: str) -> Callable[[], None]:
+def group_held(db: Db, stub: Stub, tool_id: str) -> Callable[[], object]:
     db.execute(
         "INSERT INTO generation.holds (account_group, held_until) "
         "SELECT name, now() + interval '1 hour' FROM generation.tools WHERE id = %s",
@@ -140,7 +140,7 @@ def group_held(db: Db, stub: Stub, tool_id: str) -> Callable[[], None]:
     )
 
 
-def key_cooling(db: Db, stub: Stub, tool_id: str) -> Callable[[], None]:
+def key_cooling(db: Db, stub: Stub, tool_id: str) -> Callable[[], object]:
     db.execute(
         "INSERT INTO generation.cooldowns (resource_key, cooling_until) "
         "SELECT name, now() + interval '1 hour' FROM generation.tools WHERE id = %s",
@@ -158,7 +158,7 @@ WAITS = [no_cap, cap_reached, switch_off, switch_off_by_a_replica, paused, group
 
 @pytest.mark.parametrize("hold", WAITS, ids=[w.__name__ for w in WAITS])
 def test_a_deliberate_wait_is_never_abandoned(
-    wdb: Db, wstub: Stub, wtool: str, hold: Callable[[Db, Stub, str], Callable[[], None]]
+    wdb: Db, wstub: Stub, wtool: str, hold: Callable[[Db, Stub, str], Callable[[], object]]
 ) -> None:
     task = waiting_an_hour(wdb, wstub, wtool)
     lift = hold(wdb, wstub, wtool)
