@@ -83,7 +83,7 @@ def claim_plan(
     picks = [
         json.loads(text[text.index("{") :])
         for text in notices
-        if "FOR UPDATE OF q SKIP LOCKED" in text and "{" in text
+        if "FOR NO KEY UPDATE OF q SKIP LOCKED" in text and "{" in text
     ]
     assert len(picks) == 1, notices
     return plan, picks[0]["Plan"]

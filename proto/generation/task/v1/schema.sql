@@ -548,7 +548,7 @@ BEGIN
                     WHERE h.account_group = q.account_group AND h.held_until > now()))
             ORDER BY q.reclaimed DESC, q.priority DESC, q.run_at
             LIMIT p_limit
-            FOR UPDATE OF q SKIP LOCKED
+            FOR NO KEY UPDATE OF q SKIP LOCKED
         LOOP
             ids := ids || picked.id;
             estimates := estimates || picked.estimate;
@@ -1050,12 +1050,17 @@ DECLARE
     prior uuid;
     ending text;
 BEGIN
-    -- 1. Lock the lapsed tasks (all before any spend row).
+    -- 1. Lock the lapsed tasks, then their runs' attempts: all of them before any spend row.
     SELECT array_agg(c.id) INTO ids FROM (
         SELECT q.id FROM generation.tasks AS q
         WHERE q.status = 'processing' AND q.claim_expires_at < now()
         LIMIT p_batch
         FOR NO KEY UPDATE OF q SKIP LOCKED) AS c;
+    PERFORM 1 FROM generation.attempts AS a JOIN generation.tasks AS q
+        ON a.task_id = q.id AND a.lease_token = q.lease_token
+    WHERE q.id = ANY (COALESCE(ids, '{}'))
+    ORDER BY a.task_id, a.attempt
+    FOR NO KEY UPDATE OF a;
     FOR i IN 1 .. COALESCE(array_length(ids, 1), 0) LOOP
         SELECT * INTO t FROM generation.tasks WHERE id = ids[i];
         IF NOT t.lease_confirmed THEN
