@@ -6,6 +6,7 @@ from the descriptor, so what the proto shows is exactly what runs.
 
 from __future__ import annotations
 
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,10 +33,14 @@ from service.errors import (
 from service.messages import Row
 from service.settings import Settings
 from service.signals import Signals
+from workers_sdk.errors import Reason
 
 DEFAULT_TTL_SECONDS = 7 * 86_400
 MAX_TTL_SECONDS = 10 * 365 * 86_400
 MAX_BATCH = 1_000
+"""Most items in one QueueTasks, HeartbeatTasks, CompleteTasks or FailTasks call."""
+MAX_CLAIM_BATCH = 100
+"""Most tasks one ClaimTasks takes: a worker's free lanes, not a backlog to hoard."""
 MAX_NAME = 200
 MIN_LEASE_SECONDS = 10
 """The lease floor: a shorter one cannot outlive one slow heartbeat (the SDK beats every third)."""
@@ -198,8 +203,110 @@ def _overrides(settings: Settings) -> Params:
     return {"disabled_override": settings.disabled, "cap_override": settings.daily_cap_nanos}
 
 
+def bind_claim_tasks(request: task_pb2.ClaimTasksRequest, settings: Settings) -> Params:
+    validation.seconds("wait", request.wait, most=settings.max_claim_wait_seconds)
+    return {
+        "tool_id": validation.required_uuid("tool_id", request.tool_id),
+        "limit": validation.in_range("limit", request.limit, 0, MAX_CLAIM_BATCH) or 1,
+        **_overrides(settings),
+        "lease_seconds": settings.lease_seconds,
+    }
+
+
+def respond_claim_tasks(rows: list[Row]) -> task_pb2.ClaimTasksResponse:
+    if rows[0]["idle_reason"] == "unknown_tool":
+        raise ToolNotFound("tool not found")
+    if rows[0]["id"] is None:
+        return task_pb2.ClaimTasksResponse(idle_reason=_idle_reason(rows[0]))
+    response = task_pb2.ClaimTasksResponse(
+        tasks=[
+            task_pb2.ClaimedTask(task=messages.task(row), lease_token=str(row["lease_token"]))
+            for row in rows
+        ]
+    )
+    response.lease.FromSeconds(rows[0]["lease"])
+    return response
+
+
+def _idle_reason(row: Row) -> task_pb2.IdleReason.ValueType:
+    return task_pb2.IdleReason.Value(f"IDLE_REASON_{row['idle_reason'].upper()}")
+
+
+def _items(request: Any, bind: Callable[[Any, Settings], Params], settings: Settings) -> Params:
+    """A batch's items, each checked as its single RPC checks it (errors name `tasks[i]`), as
+    one jsonb array the statement unpacks; `ordinal` keeps the request order of the answers."""
+    if not 1 <= len(request.tasks) <= MAX_BATCH:
+        raise InvalidArgument(f"tasks must hold 1 to {MAX_BATCH} items", field="tasks")
+    items = []
+    for ordinal, item in enumerate(request.tasks):
+        try:
+            params = bind(item, settings)
+        except InvalidArgument as error:
+            field = f"tasks[{ordinal}].{error.metadata.get('field', '')}".rstrip(".")
+            raise InvalidArgument(f"tasks[{ordinal}]: {error}", field=field) from None
+        items.append(
+            {
+                "ordinal": ordinal,
+                **{name: _json(value) for name, value in params.items()},
+            }
+        )
+    return {"items": Jsonb(items), "lease_seconds": settings.lease_seconds}
+
+
+def _json(value: Any) -> Any:
+    """A statement parameter as an item of a jsonb array."""
+    if isinstance(value, Jsonb):
+        return value.obj
+    return str(value) if isinstance(value, uuid.UUID) else value
+
+
+def _refused(row: Row, changed_column: str = "id") -> str:
+    """A batch item's refusal, as the single RPC would raise it ('' when taken)."""
+    if not row["task_found"]:
+        return Reason.TASK_NOT_FOUND.value
+    return Reason.LEASE_LOST.value if row[changed_column] is None else ""
+
+
+def bind_heartbeat_tasks(request: task_pb2.HeartbeatTasksRequest, settings: Settings) -> Params:
+    return _items(request, bind_heartbeat_task, settings)
+
+
+def respond_heartbeat_tasks(rows: list[Row]) -> task_pb2.HeartbeatTasksResponse:
+    results = []
+    for row in rows:
+        refused = _refused(row, "claim_expires_at")
+        result = task_pb2.HeartbeatResult(task_id=str(row["requested_id"]), refused=refused)
+        if not refused:
+            result.heartbeat.CopyFrom(_heartbeat(row))
+        results.append(result)
+    return task_pb2.HeartbeatTasksResponse(results=results)
+
+
+def bind_complete_tasks(request: task_pb2.CompleteTasksRequest, settings: Settings) -> Params:
+    return _items(request, bind_complete_task, settings)
+
+
+def bind_fail_tasks(request: task_pb2.FailTasksRequest, settings: Settings) -> Params:
+    def leased(item: task_pb2.FailTaskRequest, settings: Settings) -> Params:
+        validation.required_uuid("lease_token", item.lease_token)  # no forced fails here
+        return bind_fail_task(item, settings)
+
+    return _items(request, leased, settings)
+
+
+def _report_results(rows: list[Row]) -> list[task_pb2.ReportResult]:
+    return [
+        task_pb2.ReportResult(task_id=str(row["requested_id"]), refused=refused)
+        if (refused := _refused(row))
+        else task_pb2.ReportResult(task_id=str(row["requested_id"]), task=messages.task(row))
+        for row in rows
+    ]
+
+
 def park_claim(
-    request: task_pb2.ClaimNextTaskRequest, params: Params, settings: Settings
+    request: task_pb2.ClaimNextTaskRequest | task_pb2.ClaimTasksRequest,
+    params: Params,
+    settings: Settings,
 ) -> tuple[str, float]:
     return str(params["tool_id"]), request.wait.seconds + request.wait.nanos / 1e9
 
@@ -528,9 +635,7 @@ def respond_claim(rows: list[Row]) -> task_pb2.ClaimNextTaskResponse:
     if row["idle_reason"] == "unknown_tool":
         raise ToolNotFound("tool not found")
     if row["id"] is None:
-        return task_pb2.ClaimNextTaskResponse(
-            idle_reason=task_pb2.IdleReason.Value(f"IDLE_REASON_{row['idle_reason'].upper()}")
-        )
+        return task_pb2.ClaimNextTaskResponse(idle_reason=_idle_reason(row))
     response = task_pb2.ClaimNextTaskResponse(
         task=messages.task(row), lease_token=str(row["lease_token"])
     )
@@ -566,7 +671,10 @@ def respond_tool(rows: list[Row]) -> task_pb2.Tool:
 
 
 def respond_heartbeat(rows: list[Row]) -> task_pb2.HeartbeatTaskResponse:
-    row = _fenced(rows, "claim_expires_at")
+    return _heartbeat(_fenced(rows, "claim_expires_at"))
+
+
+def _heartbeat(row: Row) -> task_pb2.HeartbeatTaskResponse:
     response = task_pb2.HeartbeatTaskResponse(cancel_requested=row["cancel_requested"])
     response.claim_expires_at.FromDatetime(row["claim_expires_at"])
     response.lease.FromSeconds(row["lease_seconds"])
@@ -625,6 +733,20 @@ BINDINGS: dict[str, Binding] = {
         bind_claim_next_task, respond_claim, after=signal_event, park=park_claim
     ),
     "HeartbeatTask": Binding(bind_heartbeat_task, respond_heartbeat),
+    "ClaimTasks": Binding(
+        bind_claim_tasks, respond_claim_tasks, after=signal_event, park=park_claim
+    ),
+    "HeartbeatTasks": Binding(bind_heartbeat_tasks, respond_heartbeat_tasks),
+    "CompleteTasks": Binding(
+        bind_complete_tasks,
+        lambda rows: task_pb2.CompleteTasksResponse(results=_report_results(rows)),
+        after=signal_event,
+    ),
+    "FailTasks": Binding(
+        bind_fail_tasks,
+        lambda rows: task_pb2.FailTasksResponse(results=_report_results(rows)),
+        after=signal_requeue,
+    ),
     "CompleteTask": Binding(
         bind_complete_task,
         lambda rows: task_pb2.CompleteTaskResponse(task=messages.task(_fenced(rows))),

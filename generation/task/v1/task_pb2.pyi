@@ -724,6 +724,280 @@ class ClaimNextTaskResponse(_message.Message):
 Global___ClaimNextTaskResponse: _TypeAlias = ClaimNextTaskResponse  # noqa: Y015
 
 @_typing.final
+class ClaimTasksRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOOL_ID_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    WAIT_FIELD_NUMBER: _builtins.int
+    tool_id: _builtins.str
+    limit: _builtins.int
+    """1 to 100 (0 means 1)."""
+    @_builtins.property
+    def wait(self) -> _duration_pb2.Duration:
+        """As in ClaimNextTaskRequest."""
+
+    def __init__(
+        self,
+        *,
+        tool_id: _builtins.str = ...,
+        limit: _builtins.int = ...,
+        wait: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["wait", b"wait"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["limit", b"limit", "tool_id", b"tool_id", "wait", b"wait"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClaimTasksRequest: _TypeAlias = ClaimTasksRequest  # noqa: Y015
+
+@_typing.final
+class ClaimedTask(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_FIELD_NUMBER: _builtins.int
+    LEASE_TOKEN_FIELD_NUMBER: _builtins.int
+    lease_token: _builtins.str
+    @_builtins.property
+    def task(self) -> Global___Task: ...
+    def __init__(
+        self,
+        *,
+        task: Global___Task | None = ...,
+        lease_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_token", b"lease_token", "task", b"task"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClaimedTask: _TypeAlias = ClaimedTask  # noqa: Y015
+
+@_typing.final
+class ClaimTasksResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASKS_FIELD_NUMBER: _builtins.int
+    LEASE_FIELD_NUMBER: _builtins.int
+    IDLE_REASON_FIELD_NUMBER: _builtins.int
+    idle_reason: Global___IdleReason.ValueType
+    """Set when no task was claimed: why."""
+    @_builtins.property
+    def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClaimedTask]:
+        """In claim order; empty when nothing was claimed."""
+
+    @_builtins.property
+    def lease(self) -> _duration_pb2.Duration:
+        """The lease's length (every task of the batch has the same)."""
+
+    def __init__(
+        self,
+        *,
+        tasks: _abc.Iterable[Global___ClaimedTask] | None = ...,
+        lease: _duration_pb2.Duration | None = ...,
+        idle_reason: Global___IdleReason.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["idle_reason", b"idle_reason", "lease", b"lease", "tasks", b"tasks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClaimTasksResponse: _TypeAlias = ClaimTasksResponse  # noqa: Y015
+
+@_typing.final
+class HeartbeatTasksRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASKS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___HeartbeatTaskRequest]:
+        """1 to 1,000."""
+
+    def __init__(
+        self,
+        *,
+        tasks: _abc.Iterable[Global___HeartbeatTaskRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tasks", b"tasks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HeartbeatTasksRequest: _TypeAlias = HeartbeatTasksRequest  # noqa: Y015
+
+@_typing.final
+class HeartbeatResult(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_FIELD_NUMBER: _builtins.int
+    REFUSED_FIELD_NUMBER: _builtins.int
+    task_id: _builtins.str
+    refused: _builtins.str
+    """Why it was refused: LEASE_LOST or TASK_NOT_FOUND (an ErrorInfo reason); empty when taken."""
+    @_builtins.property
+    def heartbeat(self) -> Global___HeartbeatTaskResponse:
+        """Unset when refused."""
+
+    def __init__(
+        self,
+        *,
+        task_id: _builtins.str = ...,
+        heartbeat: Global___HeartbeatTaskResponse | None = ...,
+        refused: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat", "refused", b"refused", "task_id", b"task_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HeartbeatResult: _TypeAlias = HeartbeatResult  # noqa: Y015
+
+@_typing.final
+class HeartbeatTasksResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___HeartbeatResult]:
+        """One per request item, in request order."""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___HeartbeatResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HeartbeatTasksResponse: _TypeAlias = HeartbeatTasksResponse  # noqa: Y015
+
+@_typing.final
+class CompleteTasksRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASKS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___CompleteTaskRequest]:
+        """1 to 1,000."""
+
+    def __init__(
+        self,
+        *,
+        tasks: _abc.Iterable[Global___CompleteTaskRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tasks", b"tasks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CompleteTasksRequest: _TypeAlias = CompleteTasksRequest  # noqa: Y015
+
+@_typing.final
+class FailTasksRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASKS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___FailTaskRequest]:
+        """1 to 1,000; each with its lease token."""
+
+    def __init__(
+        self,
+        *,
+        tasks: _abc.Iterable[Global___FailTaskRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tasks", b"tasks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FailTasksRequest: _TypeAlias = FailTasksRequest  # noqa: Y015
+
+@_typing.final
+class ReportResult(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    TASK_FIELD_NUMBER: _builtins.int
+    REFUSED_FIELD_NUMBER: _builtins.int
+    task_id: _builtins.str
+    refused: _builtins.str
+    """Why it was refused: LEASE_LOST or TASK_NOT_FOUND (an ErrorInfo reason); empty when taken."""
+    @_builtins.property
+    def task(self) -> Global___Task:
+        """The task after the report; unset when refused."""
+
+    def __init__(
+        self,
+        *,
+        task_id: _builtins.str = ...,
+        task: Global___Task | None = ...,
+        refused: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["refused", b"refused", "task", b"task", "task_id", b"task_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportResult: _TypeAlias = ReportResult  # noqa: Y015
+
+@_typing.final
+class CompleteTasksResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReportResult]:
+        """One per request item, in request order."""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___ReportResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CompleteTasksResponse: _TypeAlias = CompleteTasksResponse  # noqa: Y015
+
+@_typing.final
+class FailTasksResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReportResult]:
+        """One per request item, in request order."""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___ReportResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FailTasksResponse: _TypeAlias = FailTasksResponse  # noqa: Y015
+
+@_typing.final
 class HeartbeatTaskRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -74,6 +74,26 @@ class GenerationDataServiceStub:
                 request_serializer=generation_dot_task_dot_v1_dot_task__pb2.FailTaskRequest.SerializeToString,
                 response_deserializer=generation_dot_task_dot_v1_dot_task__pb2.FailTaskResponse.FromString,
                 _registered_method=True)
+        self.ClaimTasks = channel.unary_unary(
+                '/generation.task.v1.GenerationDataService/ClaimTasks',
+                request_serializer=generation_dot_task_dot_v1_dot_task__pb2.ClaimTasksRequest.SerializeToString,
+                response_deserializer=generation_dot_task_dot_v1_dot_task__pb2.ClaimTasksResponse.FromString,
+                _registered_method=True)
+        self.HeartbeatTasks = channel.unary_unary(
+                '/generation.task.v1.GenerationDataService/HeartbeatTasks',
+                request_serializer=generation_dot_task_dot_v1_dot_task__pb2.HeartbeatTasksRequest.SerializeToString,
+                response_deserializer=generation_dot_task_dot_v1_dot_task__pb2.HeartbeatTasksResponse.FromString,
+                _registered_method=True)
+        self.CompleteTasks = channel.unary_unary(
+                '/generation.task.v1.GenerationDataService/CompleteTasks',
+                request_serializer=generation_dot_task_dot_v1_dot_task__pb2.CompleteTasksRequest.SerializeToString,
+                response_deserializer=generation_dot_task_dot_v1_dot_task__pb2.CompleteTasksResponse.FromString,
+                _registered_method=True)
+        self.FailTasks = channel.unary_unary(
+                '/generation.task.v1.GenerationDataService/FailTasks',
+                request_serializer=generation_dot_task_dot_v1_dot_task__pb2.FailTasksRequest.SerializeToString,
+                response_deserializer=generation_dot_task_dot_v1_dot_task__pb2.FailTasksResponse.FromString,
+                _registered_method=True)
         self.ReleaseTask = channel.unary_unary(
                 '/generation.task.v1.GenerationDataService/ReleaseTask',
                 request_serializer=generation_dot_task_dot_v1_dot_task__pb2.ReleaseTaskRequest.SerializeToString,
@@ -258,6 +278,41 @@ class GenerationDataServiceServicer:
         row lock by generation.stale_reason_v1 with the stored thresholds), so a forced fail can
         never kill a live or deliberately waiting task; a refused forced fail is FAILED_PRECONDITION
         with reason TASK_NOT_STALE. Appends a `failed` (terminal) or `requeued` event.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ClaimTasks(self, request, context):
+        """Claims up to `limit` tasks of a tool in one call (generation.claim_tasks_v1): in claim order,
+        spend admitted task by task, stopping at the first the caps have no room for. `wait` as in
+        ClaimNextTask: with nothing to claim it parks until a task is committed or the wait runs
+        out. Each task has its own lease token; they share the lease length.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HeartbeatTasks(self, request, context):
+        """Extends many leases in one call, each fenced by its own token, with a result per item in
+        request order (heartbeat_task_v1 per item, taken in task-id order so that two batches
+        never wait on each other in a cycle).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CompleteTasks(self, request, context):
+        """Completes many held tasks in one call, each as CompleteTask does (fenced by its own lease,
+        the same answer to the same lease again), with a result per item in request order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FailTasks(self, request, context):
+        """Fails many held tasks in one call, each as FailTask does with its lease (no forced fails
+        here), with a result per item in request order.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -465,6 +520,26 @@ def add_GenerationDataServiceServicer_to_server(servicer, server):
                     servicer.FailTask,
                     request_deserializer=generation_dot_task_dot_v1_dot_task__pb2.FailTaskRequest.FromString,
                     response_serializer=generation_dot_task_dot_v1_dot_task__pb2.FailTaskResponse.SerializeToString,
+            ),
+            'ClaimTasks': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClaimTasks,
+                    request_deserializer=generation_dot_task_dot_v1_dot_task__pb2.ClaimTasksRequest.FromString,
+                    response_serializer=generation_dot_task_dot_v1_dot_task__pb2.ClaimTasksResponse.SerializeToString,
+            ),
+            'HeartbeatTasks': grpc.unary_unary_rpc_method_handler(
+                    servicer.HeartbeatTasks,
+                    request_deserializer=generation_dot_task_dot_v1_dot_task__pb2.HeartbeatTasksRequest.FromString,
+                    response_serializer=generation_dot_task_dot_v1_dot_task__pb2.HeartbeatTasksResponse.SerializeToString,
+            ),
+            'CompleteTasks': grpc.unary_unary_rpc_method_handler(
+                    servicer.CompleteTasks,
+                    request_deserializer=generation_dot_task_dot_v1_dot_task__pb2.CompleteTasksRequest.FromString,
+                    response_serializer=generation_dot_task_dot_v1_dot_task__pb2.CompleteTasksResponse.SerializeToString,
+            ),
+            'FailTasks': grpc.unary_unary_rpc_method_handler(
+                    servicer.FailTasks,
+                    request_deserializer=generation_dot_task_dot_v1_dot_task__pb2.FailTasksRequest.FromString,
+                    response_serializer=generation_dot_task_dot_v1_dot_task__pb2.FailTasksResponse.SerializeToString,
             ),
             'ReleaseTask': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseTask,
@@ -761,6 +836,114 @@ class GenerationDataService:
             '/generation.task.v1.GenerationDataService/FailTask',
             generation_dot_task_dot_v1_dot_task__pb2.FailTaskRequest.SerializeToString,
             generation_dot_task_dot_v1_dot_task__pb2.FailTaskResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClaimTasks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/generation.task.v1.GenerationDataService/ClaimTasks',
+            generation_dot_task_dot_v1_dot_task__pb2.ClaimTasksRequest.SerializeToString,
+            generation_dot_task_dot_v1_dot_task__pb2.ClaimTasksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HeartbeatTasks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/generation.task.v1.GenerationDataService/HeartbeatTasks',
+            generation_dot_task_dot_v1_dot_task__pb2.HeartbeatTasksRequest.SerializeToString,
+            generation_dot_task_dot_v1_dot_task__pb2.HeartbeatTasksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CompleteTasks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/generation.task.v1.GenerationDataService/CompleteTasks',
+            generation_dot_task_dot_v1_dot_task__pb2.CompleteTasksRequest.SerializeToString,
+            generation_dot_task_dot_v1_dot_task__pb2.CompleteTasksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FailTasks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/generation.task.v1.GenerationDataService/FailTasks',
+            generation_dot_task_dot_v1_dot_task__pb2.FailTasksRequest.SerializeToString,
+            generation_dot_task_dot_v1_dot_task__pb2.FailTasksResponse.FromString,
             options,
             channel_credentials,
             insecure,

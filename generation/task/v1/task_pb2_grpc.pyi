@@ -88,6 +88,25 @@ class GenerationDataServiceStub:
     never kill a live or deliberately waiting task; a refused forced fail is FAILED_PRECONDITION
     with reason TASK_NOT_STALE. Appends a `failed` (terminal) or `requeued` event.
     """
+    ClaimTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.ClaimTasksRequest, _task_pb2.ClaimTasksResponse]
+    """Claims up to `limit` tasks of a tool in one call (generation.claim_tasks_v1): in claim order,
+    spend admitted task by task, stopping at the first the caps have no room for. `wait` as in
+    ClaimNextTask: with nothing to claim it parks until a task is committed or the wait runs
+    out. Each task has its own lease token; they share the lease length.
+    """
+    HeartbeatTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.HeartbeatTasksRequest, _task_pb2.HeartbeatTasksResponse]
+    """Extends many leases in one call, each fenced by its own token, with a result per item in
+    request order (heartbeat_task_v1 per item, taken in task-id order so that two batches
+    never wait on each other in a cycle).
+    """
+    CompleteTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.CompleteTasksRequest, _task_pb2.CompleteTasksResponse]
+    """Completes many held tasks in one call, each as CompleteTask does (fenced by its own lease,
+    the same answer to the same lease again), with a result per item in request order.
+    """
+    FailTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.FailTasksRequest, _task_pb2.FailTasksResponse]
+    """Fails many held tasks in one call, each as FailTask does with its lease (no forced fails
+    here), with a result per item in request order.
+    """
     ReleaseTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.ReleaseTaskRequest, _task_pb2.ReleaseTaskResponse]
     """Hands a held task back to the queue without using a retry: a worker that stops on purpose
     (SIGTERM drain) releases what it could not finish. Appends a `requeued` event.
@@ -226,6 +245,25 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     row lock by generation.stale_reason_v1 with the stored thresholds), so a forced fail can
     never kill a live or deliberately waiting task; a refused forced fail is FAILED_PRECONDITION
     with reason TASK_NOT_STALE. Appends a `failed` (terminal) or `requeued` event.
+    """
+    ClaimTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.ClaimTasksRequest, _task_pb2.ClaimTasksResponse]  # type: ignore[assignment]
+    """Claims up to `limit` tasks of a tool in one call (generation.claim_tasks_v1): in claim order,
+    spend admitted task by task, stopping at the first the caps have no room for. `wait` as in
+    ClaimNextTask: with nothing to claim it parks until a task is committed or the wait runs
+    out. Each task has its own lease token; they share the lease length.
+    """
+    HeartbeatTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.HeartbeatTasksRequest, _task_pb2.HeartbeatTasksResponse]  # type: ignore[assignment]
+    """Extends many leases in one call, each fenced by its own token, with a result per item in
+    request order (heartbeat_task_v1 per item, taken in task-id order so that two batches
+    never wait on each other in a cycle).
+    """
+    CompleteTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.CompleteTasksRequest, _task_pb2.CompleteTasksResponse]  # type: ignore[assignment]
+    """Completes many held tasks in one call, each as CompleteTask does (fenced by its own lease,
+    the same answer to the same lease again), with a result per item in request order.
+    """
+    FailTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.FailTasksRequest, _task_pb2.FailTasksResponse]  # type: ignore[assignment]
+    """Fails many held tasks in one call, each as FailTask does with its lease (no forced fails
+    here), with a result per item in request order.
     """
     ReleaseTask: _aio.UnaryUnaryMultiCallable[_task_pb2.ReleaseTaskRequest, _task_pb2.ReleaseTaskResponse]  # type: ignore[assignment]
     """Hands a held task back to the queue without using a retry: a worker that stops on purpose
@@ -404,6 +442,49 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         row lock by generation.stale_reason_v1 with the stored thresholds), so a forced fail can
         never kill a live or deliberately waiting task; a refused forced fail is FAILED_PRECONDITION
         with reason TASK_NOT_STALE. Appends a `failed` (terminal) or `requeued` event.
+        """
+
+    @_abc_1.abstractmethod
+    def ClaimTasks(
+        self,
+        request: _task_pb2.ClaimTasksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_task_pb2.ClaimTasksResponse, _abc.Awaitable[_task_pb2.ClaimTasksResponse]]:
+        """Claims up to `limit` tasks of a tool in one call (generation.claim_tasks_v1): in claim order,
+        spend admitted task by task, stopping at the first the caps have no room for. `wait` as in
+        ClaimNextTask: with nothing to claim it parks until a task is committed or the wait runs
+        out. Each task has its own lease token; they share the lease length.
+        """
+
+    @_abc_1.abstractmethod
+    def HeartbeatTasks(
+        self,
+        request: _task_pb2.HeartbeatTasksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_task_pb2.HeartbeatTasksResponse, _abc.Awaitable[_task_pb2.HeartbeatTasksResponse]]:
+        """Extends many leases in one call, each fenced by its own token, with a result per item in
+        request order (heartbeat_task_v1 per item, taken in task-id order so that two batches
+        never wait on each other in a cycle).
+        """
+
+    @_abc_1.abstractmethod
+    def CompleteTasks(
+        self,
+        request: _task_pb2.CompleteTasksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_task_pb2.CompleteTasksResponse, _abc.Awaitable[_task_pb2.CompleteTasksResponse]]:
+        """Completes many held tasks in one call, each as CompleteTask does (fenced by its own lease,
+        the same answer to the same lease again), with a result per item in request order.
+        """
+
+    @_abc_1.abstractmethod
+    def FailTasks(
+        self,
+        request: _task_pb2.FailTasksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_task_pb2.FailTasksResponse, _abc.Awaitable[_task_pb2.FailTasksResponse]]:
+        """Fails many held tasks in one call, each as FailTask does with its lease (no forced fails
+        here), with a result per item in request order.
         """
 
     @_abc_1.abstractmethod

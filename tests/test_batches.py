@@ -1,0 +1,203 @@
+"""Batch RPCs (GUIDE X3): ClaimTasks, HeartbeatTasks, CompleteTasks, FailTasks — one statement
+each, every item fenced by its own lease, a result per item in request order."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from google.protobuf import duration_pb2
+
+from generation.task.v1 import task_pb2
+from tests.conftest import ServiceProcess
+from tests.invariants import assert_invariants
+from tests.test_semantics import Db, Stub, queue, row
+from workers_sdk.errors import from_rpc_error
+
+
+def claim_many(
+    stub: Stub, tool_id: str, limit: int, **fields: object
+) -> task_pb2.ClaimTasksResponse:
+    return stub.ClaimTasks(task_pb2.ClaimTasksRequest(tool_id=tool_id, limit=limit, **fields))
+
+
+def refused(call: object, request: object) -> tuple[grpc.StatusCode, str, str]:
+    with pytest.raises(grpc.RpcError) as caught:
+        call(request)  # type: ignore[operator]
+    error = from_rpc_error(caught.value)
+    return error.code, str(error.reason), str(error)
+
+
+def test_claim_tasks_takes_up_to_limit_in_claim_order(stub: Stub, db: Db, tool_id: str) -> None:
+    low = queue(stub, tool_id, priority=-1)
+    fifo = [queue(stub, tool_id) for _ in range(4)]
+    high = queue(stub, tool_id, priority=9)
+
+    first = claim_many(stub, tool_id, 4)
+    assert [c.task.id for c in first.tasks] == [high.id, *[t.id for t in fifo[:3]]]
+    assert len({c.lease_token for c in first.tasks}) == 4
+    assert first.lease.seconds == 120 and first.idle_reason == task_pb2.IDLE_REASON_UNSPECIFIED
+    for claimed in first.tasks:
+        stored = row(db, claimed.task.id)
+        assert (stored["status"], str(stored["lease_token"])) == ("processing", claimed.lease_token)
+
+    rest = claim_many(stub, tool_id, 100)
+    assert [c.task.id for c in rest.tasks] == [fifo[3].id, low.id]
+    empty = claim_many(stub, tool_id, 100)
+    assert not empty.tasks and empty.idle_reason == task_pb2.IDLE_REASON_EMPTY
+    attempts = db.execute(
+        "SELECT count(*) AS n FROM generation.attempts WHERE tool_id = %s", [tool_id]
+    ).fetchone()
+    assert attempts == {"n": 6}
+
+
+def test_claim_tasks_admits_spend_task_by_task_and_stops_at_the_cap(
+    stub: Stub, db: Db, tool_id: str
+) -> None:
+    stub.ConfigureTool(
+        task_pb2.ConfigureToolRequest(tool_id=tool_id, cost_estimate_nanos=10, daily_cap_nanos=25)
+    )
+    tasks = [queue(stub, tool_id) for _ in range(5)]
+    claimed = claim_many(stub, tool_id, 5)
+    assert [c.task.id for c in claimed.tasks] == [t.id for t in tasks[:2]], "20 fits, 30 not"
+    tool = stub.GetTool(task_pb2.GetToolRequest(tool_id=tool_id)).tool
+    assert tool.reserved_nanos == 20
+    capped = claim_many(stub, tool_id, 5)
+    assert not capped.tasks and capped.idle_reason == task_pb2.IDLE_REASON_CAPPED
+    assert_invariants(db, tool_id, [t.id for t in tasks])
+
+
+def test_claim_tasks_waits_like_a_claim(service: ServiceProcess, stub: Stub, tool_id: str) -> None:
+    with ThreadPoolExecutor(1) as pool:
+        parked = pool.submit(claim_many, stub, tool_id, 10, wait=duration_pb2.Duration(seconds=10))
+        task = queue(stub, tool_id)
+        answer = parked.result(timeout=10)
+    assert [c.task.id for c in answer.tasks] == [task.id]
+
+
+def test_batch_reports_answer_each_item_in_request_order(stub: Stub, db: Db, tool_id: str) -> None:
+    for _ in range(3):
+        queue(stub, tool_id, max_retries=2)
+    a, b, c = claim_many(stub, tool_id, 3).tasks
+    unknown = str(uuid.uuid4())
+    beats = stub.HeartbeatTasks(
+        task_pb2.HeartbeatTasksRequest(
+            tasks=[
+                task_pb2.HeartbeatTaskRequest(task_id=c.task.id, lease_token=c.lease_token),
+                task_pb2.HeartbeatTaskRequest(task_id=a.task.id, lease_token=b.lease_token),
+                task_pb2.HeartbeatTaskRequest(task_id=unknown, lease_token=a.lease_token),
+            ]
+        )
+    ).results
+    assert [(r.task_id, r.refused) for r in beats] == [
+        (c.task.id, ""),
+        (a.task.id, "LEASE_LOST"),
+        (unknown, "TASK_NOT_FOUND"),
+    ]
+    assert beats[0].heartbeat.lease.seconds == 120 and not beats[0].heartbeat.cancel_requested
+
+    completes = task_pb2.CompleteTasksRequest(
+        tasks=[
+            task_pb2.CompleteTaskRequest(
+                task_id=b.task.id,
+                lease_token=b.lease_token,
+                output={"n": 2},
+                reported_usage=task_pb2.ReportedUsage(cost_nanos=4),
+            ),
+            task_pb2.CompleteTaskRequest(task_id=a.task.id, lease_token=c.lease_token),
+            task_pb2.CompleteTaskRequest(
+                task_id=a.task.id, lease_token=a.lease_token, output={"n": 1}
+            ),
+        ]
+    )
+    done = stub.CompleteTasks(completes).results
+    assert [(r.task_id, r.refused, r.task.status) for r in done] == [
+        (b.task.id, "", task_pb2.TASK_STATUS_COMPLETED),
+        (a.task.id, "LEASE_LOST", task_pb2.TASK_STATUS_UNSPECIFIED),
+        (a.task.id, "", task_pb2.TASK_STATUS_COMPLETED),
+    ]
+    assert dict(done[0].task.output) == {"n": 2}
+    again = stub.CompleteTasks(completes).results
+    assert [r.task for r in again] == [r.task for r in done], "a retried batch answers the same"
+
+    failed = stub.FailTasks(
+        task_pb2.FailTasksRequest(
+            tasks=[
+                task_pb2.FailTaskRequest(
+                    task_id=c.task.id, lease_token=c.lease_token, increment_retry=True
+                )
+            ]
+        )
+    ).results
+    assert failed[0].task.status == task_pb2.TASK_STATUS_QUEUED
+    assert failed[0].task.retry_count == 1
+    ledger = db.execute(
+        "SELECT outcome::text, count(*) AS n, sum(cost_nanos)::bigint AS cost "
+        "FROM generation.attempts WHERE tool_id = %s GROUP BY 1 ORDER BY 1",
+        [tool_id],
+    ).fetchall()
+    assert ledger == [
+        {"outcome": "completed", "n": 2, "cost": 4},
+        {"outcome": "retry", "n": 1, "cost": 0},
+    ]
+    assert_invariants(db, tool_id)
+
+
+def test_batch_limits_and_item_errors_name_the_item(stub: Stub, tool_id: str) -> None:
+    code, reason, _ = refused(
+        stub.ClaimTasks, task_pb2.ClaimTasksRequest(tool_id=tool_id, limit=101)
+    )
+    assert (code, reason) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT")
+    code, _, message = refused(stub.CompleteTasks, task_pb2.CompleteTasksRequest())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "1 to 1000" in message
+    many = [task_pb2.HeartbeatTaskRequest(task_id=str(uuid.uuid4()), lease_token=str(uuid.uuid4()))]
+    code, _, _ = refused(stub.HeartbeatTasks, task_pb2.HeartbeatTasksRequest(tasks=many * 1001))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    task = queue(stub, tool_id)
+    code, _, message = refused(
+        stub.FailTasks,
+        task_pb2.FailTasksRequest(
+            tasks=[
+                task_pb2.FailTaskRequest(task_id=task.id, lease_token=str(uuid.uuid4())),
+                task_pb2.FailTaskRequest(task_id=task.id),
+            ]
+        ),
+    )
+    assert (
+        code == grpc.StatusCode.INVALID_ARGUMENT
+        and "tasks[1]" in message
+        and "lease_token" in message
+    )
+
+
+def test_batches_in_opposite_orders_never_deadlock(
+    service: ServiceProcess, stub: Stub, db: Db, tool_id: str
+) -> None:
+    for _ in range(20):
+        for _ in range(2):
+            queue(stub, tool_id)
+        a, b = claim_many(stub, tool_id, 2).tasks
+        start = threading.Barrier(2)
+
+        def report(
+            pair: tuple[task_pb2.ClaimedTask, ...], start: threading.Barrier = start
+        ) -> list[str]:
+            start.wait()
+            answer = stub.CompleteTasks(
+                task_pb2.CompleteTasksRequest(
+                    tasks=[
+                        task_pb2.CompleteTaskRequest(task_id=c.task.id, lease_token=c.lease_token)
+                        for c in pair
+                    ]
+                ),
+                timeout=10,
+            )
+            return [r.refused for r in answer.results]
+
+        with ThreadPoolExecutor(2) as pool:
+            answers = [pool.submit(report, (a, b)), pool.submit(report, (b, a))]
+            assert [f.result() for f in answers] == [["", ""], ["", ""]]
+    assert_invariants(db, tool_id)
