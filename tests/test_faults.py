@@ -23,6 +23,7 @@ import pytest
 from psycopg.rows import dict_row
 
 from generation.task.v1 import task_pb2, task_pb2_grpc
+from service.rpcs import HAND_BACK_SQL
 from tests.conftest import Databases, ServiceProcess, url_for, wait_for
 from tests.invariants import assert_invariants
 from tests.tcp_proxy import AnswerDroppingProxy, TcpProxy
@@ -83,6 +84,25 @@ def test_lost_claim_answers_cost_no_run_then_end_with_their_own_error(
     ).fetchall()
     assert outcomes == [{"outcome": "unconfirmed"}], "no claim that never arrived counts as a run"
     assert_invariants(db, tool_id, [task.id])
+
+
+def test_hand_backs_of_passed_deadlines_never_wear_out_a_task(
+    stub: Stub, db: Db, tool_id: str
+) -> None:
+    """A caller whose deadlines always pass gets the head-of-line task handed back each time:
+    that costs the task nothing and counts toward no bound (only lost answers do)."""
+    head = queue(stub, tool_id, max_retries=1)
+    for _ in range(25):
+        claimed = claim(stub, tool_id)
+        assert claimed.task.id == head.id
+        db.execute(HAND_BACK_SQL, {"task_id": head.id, "lease_token": claimed.lease_token})
+    stored = row(db, head.id)
+    assert (stored["status"], stored["retry_count"], stored["unconfirmed_claims"]) == (
+        "queued",
+        0,
+        0,
+    )
+    assert_invariants(db, tool_id, [head.id])
 
 
 def test_claims_whose_deadline_passes_are_handed_back_at_once(
@@ -219,69 +239,106 @@ def test_a_deliberate_stop_on_the_last_retry_gives_it_back(
 # --- settlement racing a requeue (fault 17) ---------------------------------------------------
 
 
+@pytest.mark.parametrize("first", ["settle", "requeue"])
 @pytest.mark.parametrize("requeue", ["RetryTask", "QueueTask REQUEUE"])
 def test_a_settlement_racing_a_requeue_never_refunds_a_task_that_runs_again(
-    service: ServiceProcess, stub: Stub, db: Db, tool_id: str, requeue: str
+    stub: Stub, db: Db, database_url: str, tool_id: str, requeue: str, first: str
 ) -> None:
-    settled_now = 0
-    for attempt in range(15):
-        key = f"race-{attempt}"
-        task = queue(stub, tool_id, reserved_token_amount=100, idempotency_key=key, max_retries=1)
-        claimed = claim(stub, tool_id)
-        stub.FailTask(
-            task_pb2.FailTaskRequest(
-                task_id=task.id, lease_token=claimed.lease_token, increment_retry=False
-            )
-        )
-        start = threading.Barrier(2)
+    """Both calls are in flight at once, queued behind a row lock the test holds, in a known
+    order (Postgres grants a row lock first come, first served); then the lock goes."""
+    key = f"race-{requeue}-{first}"
+    task = queue(stub, tool_id, reserved_token_amount=100, idempotency_key=key, max_retries=1)
+    claimed = claim(stub, tool_id)
+    stub.FailTask(task_pb2.FailTaskRequest(task_id=task.id, lease_token=claimed.lease_token))
 
-        def settle(task_id: str = task.id, start: threading.Barrier = start) -> None:
-            start.wait()
-            try:
-                answer = stub.SettleTask(task_pb2.SettleTaskRequest(task_id=task_id))
-            except grpc.RpcError as error:  # the requeue came first
-                assert from_rpc_error(error).reason is Reason.TASK_NOT_TERMINAL
-                return
-            nonlocal settled_now
-            settled_now += answer.settled_now
+    def settle() -> bool:
+        try:
+            return bool(stub.SettleTask(task_pb2.SettleTaskRequest(task_id=task.id)).settled_now)
+        except grpc.RpcError as error:  # the requeue came first: not terminal, nothing to settle
+            assert from_rpc_error(error).reason is Reason.TASK_NOT_TERMINAL
+            return False
 
-        def again(task_id: str = task.id, key: str = key, start: threading.Barrier = start) -> None:
-            start.wait()
-            if requeue == "RetryTask":
-                stub.RetryTask(
-                    task_pb2.RetryTaskRequest(task_id=task_id, reserved_token_amount=100)
+    def again() -> bool:
+        if requeue == "RetryTask":
+            stub.RetryTask(task_pb2.RetryTaskRequest(task_id=task.id, reserved_token_amount=100))
+        else:
+            stub.QueueTask(
+                task_pb2.QueueTaskRequest(
+                    tool_id=tool_id,
+                    idempotency_key=key,
+                    reserved_token_amount=100,
+                    max_retries=1,
+                    on_conflict=task_pb2.ON_CONFLICT_REQUEUE,
                 )
-            else:
-                stub.QueueTask(
-                    task_pb2.QueueTaskRequest(
-                        tool_id=tool_id,
-                        idempotency_key=key,
-                        reserved_token_amount=100,
-                        max_retries=1,
-                        on_conflict=task_pb2.ON_CONFLICT_REQUEUE,
-                    )
-                )
-
-        with ThreadPoolExecutor(2) as pool:
-            for done in [pool.submit(settle), pool.submit(again)]:
-                done.result()
-        stored = row(db, task.id)
-        assert stored["status"] == "queued"
-        assert stored["settled_at"] is None, "a task that runs again is not settled"
-        # It runs again and ends: its round settles exactly once more (or first, now).
-        rerun = claim(stub, tool_id)
-        stub.CompleteTask(
-            task_pb2.CompleteTaskRequest(
-                task_id=task.id,
-                lease_token=rerun.lease_token,
-                reported_usage=task_pb2.ReportedUsage(token_amount=30),
             )
+        return True
+
+    calls = {"settle": settle, "requeue": again}
+    order = [first, "requeue" if first == "settle" else "settle"]
+    with psycopg.connect(database_url) as blocker, ThreadPoolExecutor(2) as pool:
+        blocker.execute("SELECT 1 FROM generation.tasks WHERE id = %s FOR UPDATE", [task.id])
+        running = []
+        for waiting, name in enumerate(order, start=1):
+            running.append(pool.submit(calls[name]))
+            wait_for(lambda n=waiting: lock_waiters(db) >= n, what=f"{name} to wait")
+        blocker.rollback()
+        settled_now = dict(zip(order, [r.result(timeout=20) for r in running], strict=True))
+    assert settled_now["settle"] is (first == "settle")
+    stored = row(db, task.id)
+    assert stored["status"] == "queued"
+    assert stored["settled_at"] is None, "a task that runs again is not settled"
+    # It runs again and ends: its round settles once, charging what the rerun delivered.
+    rerun = claim(stub, tool_id)
+    stub.CompleteTask(
+        task_pb2.CompleteTaskRequest(
+            task_id=task.id,
+            lease_token=rerun.lease_token,
+            reported_usage=task_pb2.ReportedUsage(token_amount=30),
         )
-        final = stub.SettleTask(task_pb2.SettleTaskRequest(task_id=task.id)).settlement
-        assert final.charged_token_amount == 30
-        assert final.settlement_round == stored["settlement_round"]
-        assert_invariants(db, tool_id, [task.id])
-    assert settled_now > 0, "no settlement came first: no race"
+    )
+    final = stub.SettleTask(task_pb2.SettleTaskRequest(task_id=task.id)).settlement
+    assert final.charged_token_amount == 30
+    assert final.settlement_round == stored["settlement_round"] == (2 if first == "settle" else 1)
+    assert_invariants(db, tool_id, [task.id])
+
+
+def lock_waiters(db: Db) -> int:
+    found = db.execute(
+        "SELECT count(*) AS n FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+        "AND datname = current_database()"
+    ).fetchone()
+    return int(found["n"]) if found else 0
+
+
+def test_requeue_of_a_completed_task_waits_for_its_settlement(
+    stub: Stub, db: Db, tool_id: str
+) -> None:
+    """The delivered run is charged before the task may run again: until its reservation is
+    settled, REQUEUE answers the completed task as RETURN would."""
+    request = task_pb2.QueueTaskRequest(
+        tool_id=tool_id,
+        idempotency_key="delivered",
+        reserved_token_amount=1000,
+        on_conflict=task_pb2.ON_CONFLICT_REQUEUE,
+    )
+    task = stub.QueueTask(request).task
+    claimed = claim(stub, tool_id)
+    stub.CompleteTask(
+        task_pb2.CompleteTaskRequest(
+            task_id=task.id,
+            lease_token=claimed.lease_token,
+            output={"url": "x"},
+            reported_usage=task_pb2.ReportedUsage(token_amount=700),
+        )
+    )
+    early = stub.QueueTask(request).task
+    assert early.status == task_pb2.TASK_STATUS_COMPLETED, "not requeued before its settlement"
+    settled = stub.SettleTask(task_pb2.SettleTaskRequest(task_id=task.id)).settlement
+    assert settled.charged_token_amount == 700
+    again = stub.QueueTask(request).task
+    assert again.status == task_pb2.TASK_STATUS_QUEUED
+    assert not again.HasField("output") and not again.HasField("reported_usage")
+    assert_invariants(db, tool_id, [task.id])
 
 
 # --- one lease, two completes (fault 18) ------------------------------------------------------
@@ -595,6 +652,62 @@ def test_a_time_zone_change_never_drops_todays_spend(
             assert tool.spent_today_nanos == 42, zone
         with psycopg.connect(url, autocommit=True, row_factory=dict_row) as db:
             assert_invariants(db, tool_id, [task.id])
+    finally:
+        service.stop()
+
+
+def test_time_zone_changes_racing_paid_claims_keep_spend_equal_to_the_ledger(
+    databases: Databases, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Seen in review: a claim that read the zone before a change committed reset today's spend.
+    A change that moves the local day now waits for claims in flight (the day lock)."""
+    url = url_for(databases.create("timezone_race"))
+    service = ServiceProcess(url, tmp_path_factory.mktemp("timezone_race") / "serve.log")
+    try:
+        stub = service.stub
+        tool_id = str(stub.UpsertTool(task_pb2.UpsertToolRequest(name="paid")).tool.id)
+        stub.ConfigureTool(task_pb2.ConfigureToolRequest(tool_id=tool_id, cost_estimate_nanos=3))
+        stub.QueueTasks(
+            task_pb2.QueueTasksRequest(
+                tool_id=tool_id, tasks=[task_pb2.QueueTaskRequest() for _ in range(150)]
+            )
+        )
+        stop = threading.Event()
+
+        def work() -> int:
+            done = 0
+            with grpc.insecure_channel(service.address) as channel:
+                own = task_pb2_grpc.GenerationDataServiceStub(channel)
+                while not stop.is_set():
+                    answer = own.ClaimNextTask(task_pb2.ClaimNextTaskRequest(tool_id=tool_id))
+                    if not answer.HasField("task"):
+                        return done
+                    own.CompleteTask(
+                        task_pb2.CompleteTaskRequest(
+                            task_id=answer.task.id,
+                            lease_token=answer.lease_token,
+                            reported_usage=task_pb2.ReportedUsage(cost_nanos=2),
+                        )
+                    )
+                    done += 1
+            return done
+
+        with ThreadPoolExecutor(5) as pool:
+            workers = [pool.submit(work) for _ in range(4)]
+            for zone in ["Pacific/Kiritimati", "Pacific/Pago_Pago"] * 6:
+                stub.UpdateSettings(task_pb2.UpdateSettingsRequest(timezone=zone), timeout=10)
+            stop.set()
+            done = sum(w.result() for w in workers)
+        assert done > 0
+        spent = stub.GetSettings(task_pb2.GetSettingsRequest()).settings.spent_today_nanos
+        with psycopg.connect(url, autocommit=True, row_factory=dict_row) as db:
+            assert_invariants(db, tool_id)
+            ledger = db.execute(
+                "SELECT COALESCE(sum(cost_nanos), 0)::bigint AS cost FROM generation.attempts "
+                "WHERE local_day = (SELECT (now() AT TIME ZONE timezone)::date "
+                "                   FROM generation.settings)"
+            ).fetchone()
+        assert ledger == {"cost": spent} and spent == 2 * done
     finally:
         service.stop()
 

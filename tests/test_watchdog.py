@@ -252,30 +252,47 @@ def test_what_stale_means_is_a_stored_setting(wdb: Db, wstub: Stub, wtool: str) 
         wstub.UpdateSettings(task_pb2.UpdateSettingsRequest(queued_max_age_seconds=900))
 
 
-def test_a_lease_nobody_handed_back_is_a_dead_zombie_after_the_grace(
-    wdb: Db, wstub: Stub, wtool: str
+@pytest.mark.parametrize(
+    ("confirmed", "max_retries", "ends"),
+    [(False, 1, "queued"), (True, 2, "queued"), (True, 1, "failed")],
+    ids=["unconfirmed", "confirmed-retries-left", "confirmed-last-run"],
+)
+def test_a_lease_nobody_handed_back_is_a_dead_zombie_the_reaper_ends_as_its_lapse_decides(
+    wdb: Db, wstub: Stub, wtool: str, confirmed: bool, max_retries: int, ends: str
 ) -> None:
-    task = waiting_an_hour(wdb, wstub, wtool)
+    """The rescuer is not running (here: it sweeps once an hour). Past the grace the watchdog
+    lists the lease; the reaper ends the run as the rescuer would have: a claim that never
+    reached a worker or a run with retries left goes back to the queue; only a last run fails."""
+    task = waiting_an_hour(wdb, wstub, wtool, max_retries=max_retries)
     claimed = wstub.ClaimNextTask(task_pb2.ClaimNextTaskRequest(tool_id=wtool))
     assert claimed.task.id == task
-    wdb.execute(
-        "UPDATE generation.tasks SET claim_expires_at = now() - interval '110 seconds' "
-        "WHERE id = %s",
-        [task],
-    )
+    if confirmed:
+        wstub.HeartbeatTask(
+            task_pb2.HeartbeatTaskRequest(task_id=task, lease_token=claimed.lease_token)
+        )
+    lapsed(wdb, task, 110)
     assert stale(wstub, task) is None, "within the 120 s grace"
     assert force_fail(wstub, task) is Reason.TASK_NOT_STALE
-    wdb.execute(
-        "UPDATE generation.tasks SET claim_expires_at = now() - interval '121 seconds' "
-        "WHERE id = %s",
-        [task],
-    )
+    lapsed(wdb, task, 121)
     assert stale(wstub, task) == task_pb2.STALE_REASON_DEAD_ZOMBIE
     assert force_fail(wstub, task) is None
+    assert status(wdb, task) == ends
     attempt = wdb.execute(
         "SELECT outcome::text FROM generation.attempts WHERE task_id = %s", [task]
     ).fetchone()
-    assert attempt == {"outcome": "abandoned"}, "its reservation released"
+    assert attempt == {"outcome": "abandoned" if confirmed else "unconfirmed"}
+    stored = wdb.execute(
+        "SELECT retry_count FROM generation.tasks WHERE id = %s", [task]
+    ).fetchone()
+    assert stored == {"retry_count": int(confirmed)}
+
+
+def lapsed(db: Db, task_id: str, seconds: int) -> None:
+    db.execute(
+        "UPDATE generation.tasks SET claim_expires_at = now() - make_interval(secs => %s) "
+        "WHERE id = %s",
+        [seconds, task_id],
+    )
 
 
 def status(db: Db, task_id: str) -> str:

@@ -178,6 +178,12 @@ class Reconciler:
                 log.warning("task %s: forced fail failed: %s", stale.task.id, error)
                 summary.errors += 1
             return
+        if response.task.status != task_pb2.TASK_STATUS_FAILED:
+            # A dead zombie whose run the service ended as its lease rescuer would have: handed
+            # back (unconfirmed, or retries left). It runs again; nothing to project.
+            log.info("task %s handed back to the queue, not failed", stale.task.id)
+            summary.skipped += 1
+            return
         summary.failed += 1
         log.info("reaped task %s (%s)", stale.task.id, reason)
         if not await _call_hook(self.on_failed, response.task, "on_failed", stale.task.id):

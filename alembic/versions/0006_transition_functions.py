@@ -256,26 +256,30 @@ BEGIN
 END
 $$;
 
--- A claim whose answer never reached a worker (its lease lapsed unconfirmed, or the service saw
--- the caller's deadline pass): the task goes back to the queue at once, first in line, and the
--- run costs no retry: nothing ran. Claims lost this way are counted; at 20 the task fails with
--- "claim answers lost", so a link that loses every answer cannot keep a task forever. A task
--- whose cancel was asked for ends cancelled. The caller holds the task's row lock.
-CREATE FUNCTION generation.hand_back_unconfirmed_v1(t generation.tasks)
+-- A claim whose answer never reached a worker: the task goes back to the queue at once, first
+-- in line, and the run costs no retry: nothing ran. p_lapsed: its unconfirmed lease lapsed (the
+-- answer was lost on the way); such losses are counted, and at 20 the task fails with "claim
+-- answers lost", so a link that loses every answer cannot keep a task forever. Otherwise the
+-- service itself saw the caller's deadline pass before the answer left: that costs the task
+-- nothing at all, so a caller with hopeless deadlines cannot wear out the task at the head of
+-- the line. A task whose cancel was asked for ends cancelled. The caller holds the row lock.
+CREATE FUNCTION generation.hand_back_unconfirmed_v1(t generation.tasks, p_lapsed boolean)
 RETURNS TABLE (task generation.tasks, event jsonb)
 LANGUAGE plpgsql
 AS $$
 #variable_conflict use_column
 DECLARE
+    lost integer;
     ending text;
-    lost generation.tasks;
+    back generation.tasks;
 BEGIN
+    lost := t.unconfirmed_claims + p_lapsed::int;
     ending := CASE WHEN t.cancel_requested_at IS NOT NULL THEN 'cancelled'
-                   WHEN t.unconfirmed_claims + 1 >= 20 THEN 'failed'
+                   WHEN lost >= 20 THEN 'failed'
                    ELSE 'requeued' END;
     UPDATE generation.tasks AS q
     SET status = CASE ending WHEN 'requeued' THEN 'queued' ELSE ending END::generation.task_status,
-        unconfirmed_claims = q.unconfirmed_claims + 1,
+        unconfirmed_claims = lost,
         error = CASE ending WHEN 'failed' THEN 'claim answers lost: 20 claims never reached a worker'
                             WHEN 'cancelled' THEN 'cancelled' ELSE q.error END,
         completed_at = CASE WHEN ending = 'requeued' THEN NULL ELSE now() END,
@@ -284,12 +288,54 @@ BEGIN
         lease_token = NULL, claim_expires_at = NULL, lease_confirmed = false,
         last_event_seq = q.last_event_seq + 1
     WHERE q.id = t.id
-    RETURNING q.* INTO lost;
+    RETURNING q.* INTO back;
     PERFORM generation.close_attempt_v1(t.id, t.lease_token, 'unconfirmed', 0, false);
-    RETURN QUERY SELECT lost, generation.append_event_v1(
+    RETURN QUERY SELECT back, generation.append_event_v1(
         t.id, ending::generation.task_event_kind,
-        jsonb_build_object('reason', 'claim answer lost', 'unconfirmed_claims',
-                           lost.unconfirmed_claims, 'error', lost.error));
+        jsonb_build_object('reason', CASE WHEN p_lapsed THEN 'claim answer lost'
+                                          ELSE 'claim deadline passed' END,
+                           'unconfirmed_claims', back.unconfirmed_claims, 'error', back.error));
+END
+$$;
+
+-- A run whose lease lapsed, decided: an unconfirmed claim costs nothing (hand_back_unconfirmed_v1);
+-- a confirmed run costs one retry and is queued again first in line while retries remain, else
+-- the task fails at once (nobody waits for the reaper); a run whose cancel was asked for ends
+-- cancelled. The attempt is closed abandoned (its reservation released). The caller holds the
+-- task's row lock and its attempt's.
+CREATE FUNCTION generation.end_lapsed_run_v1(t generation.tasks)
+RETURNS TABLE (task generation.tasks, event jsonb)
+LANGUAGE plpgsql
+AS $$
+#variable_conflict use_column
+DECLARE
+    prior uuid;
+    ending text;
+BEGIN
+    IF NOT t.lease_confirmed THEN
+        RETURN QUERY SELECT * FROM generation.hand_back_unconfirmed_v1(t, true);
+        RETURN;
+    END IF;
+    prior := t.lease_token;
+    ending := CASE WHEN t.cancel_requested_at IS NOT NULL THEN 'cancelled'
+                   WHEN t.retry_count + 1 < t.max_retries THEN 'requeued'
+                   ELSE 'failed' END;
+    UPDATE generation.tasks AS q
+    SET status = CASE ending WHEN 'requeued' THEN 'queued' ELSE ending END::generation.task_status,
+        retry_count = q.retry_count + (ending <> 'cancelled')::int,
+        reclaimed = (ending = 'requeued'),
+        queued_at = CASE ending WHEN 'requeued' THEN now() ELSE q.queued_at END,
+        error = CASE ending WHEN 'failed' THEN 'lease lapsed on its last run'
+                            WHEN 'cancelled' THEN 'cancelled' ELSE q.error END,
+        completed_at = CASE WHEN ending = 'requeued' THEN NULL ELSE now() END,
+        claim_expires_at = NULL, lease_token = NULL, lease_confirmed = false,
+        last_event_seq = q.last_event_seq + 1
+    WHERE q.id = t.id
+    RETURNING q.* INTO t;
+    PERFORM generation.close_attempt_v1(t.id, prior, 'abandoned', 0, false);
+    RETURN QUERY SELECT t, generation.append_event_v1(
+        t.id, ending::generation.task_event_kind,
+        jsonb_build_object('reason', 'lease lapsed', 'error', t.error, 'retry_count', t.retry_count));
 END
 $$;
 
@@ -328,6 +374,9 @@ DECLARE
     head record;
     has_head boolean;
 BEGIN
+    -- 0. The local day cannot move under a claim: a time-zone change that moves it waits for
+    --    claims in flight, and they for it (update_settings_v1).
+    PERFORM pg_advisory_xact_lock_shared(1734700658);
     -- 1. Read the gates, unlocked: the tool, the switch and the cap in force, its cooldown/hold.
     SELECT * INTO tool FROM generation.tools WHERE id = p_tool;
     IF NOT FOUND THEN
@@ -553,9 +602,9 @@ BEGIN
             generation.append_event_v1(p_task, t.status::text::generation.task_event_kind, NULL);
         RETURN;
     END IF;
-    -- 5. Not held now: the same lease already ended the run this way -> the same answer.
+    -- 5. Not held now: the same lease already ended the run this way -> the task as it is now.
     SELECT * INTO a FROM generation.attempts AS x WHERE x.task_id = p_task AND x.lease_token = p_token;
-    IF a.outcome::text = t.status::text AND t.status IN ('completed', 'cancelled') THEN
+    IF a.outcome IN ('completed', 'cancelled') THEN
         RETURN QUERY SELECT true, t, NULL::jsonb;
         RETURN;
     END IF;
@@ -566,8 +615,8 @@ END
 $$;
 
 -- The reaper's forced fail: a task that is stale right now (stale_reason_v1, judged under the
--- row lock with the stored thresholds) ends `failed`; any other is refused, so a forced fail can
--- never kill a live or deliberately waiting task.
+-- row lock with the stored thresholds) ends `failed` (a dead zombie: as its lapse decides); any
+-- other is refused, so a forced fail can never kill a live or deliberately waiting task.
 CREATE FUNCTION generation.reap_task_v1(p_task uuid, p_error text)
 RETURNS TABLE (task_found boolean, task generation.tasks, event jsonb)
 LANGUAGE plpgsql
@@ -589,7 +638,13 @@ BEGIN
         RETURN QUERY SELECT true, NULL::generation.tasks, NULL::jsonb;
         RETURN;
     END IF;
-    -- 2. Fail it; a lapsed run's attempt is closed abandoned (its reservation released).
+    -- 2. A dead zombie's run is ended as the rescuer would have (it is not running): handed back
+    --    when unconfirmed or with retries left, failed only when that was its last run.
+    IF t.status = 'processing' THEN
+        RETURN QUERY SELECT true, e.task, e.event FROM generation.end_lapsed_run_v1(t) AS e;
+        RETURN;
+    END IF;
+    -- 3. Fail it.
     prior := t.lease_token;
     UPDATE generation.tasks AS q
     SET status = 'failed', error = COALESCE(p_error, 'stale: ' || reason), completed_at = now(),
@@ -600,7 +655,7 @@ BEGIN
     IF prior IS NOT NULL THEN
         PERFORM generation.close_attempt_v1(p_task, prior, 'abandoned', 0, false);
     END IF;
-    -- 3. The terminal event.
+    -- 4. The terminal event.
     RETURN QUERY SELECT true, t, generation.append_event_v1(
         p_task, 'failed',
         jsonb_build_object('error', t.error, 'retry_count', t.retry_count, 'stale_reason', reason));
@@ -707,7 +762,8 @@ BEGIN
                 RETURN QUERY SELECT true, t, NULL::jsonb;
                 RETURN;
             END IF;
-            RETURN QUERY SELECT true, h.task, h.event FROM generation.hand_back_unconfirmed_v1(t) AS h;
+            RETURN QUERY SELECT true, h.task, h.event
+                FROM generation.hand_back_unconfirmed_v1(t, false) AS h;
             RETURN;
         END IF;
         -- 2. Back to the queue (or cancelled), no retry used.
@@ -852,10 +908,7 @@ BEGIN
 END
 $$;
 
--- Hands lapsed leases back, up to p_batch at a time. A run whose claim was never confirmed costs
--- nothing (hand_back_unconfirmed_v1); a confirmed run costs one retry and is queued again first
--- in line while retries remain, else the task fails at once (nobody waits for the reaper); a run
--- whose cancel was asked for ends cancelled. The lapsed run's attempt is closed abandoned.
+-- Hands lapsed leases back, up to p_batch at a time, each decided by end_lapsed_run_v1.
 CREATE FUNCTION generation.rescue_lapsed_v1(p_batch integer)
 RETURNS TABLE (task generation.tasks, event jsonb)
 LANGUAGE plpgsql
@@ -864,8 +917,6 @@ AS $$
 DECLARE
     ids uuid[];
     t generation.tasks;
-    prior uuid;
-    ending text;
 BEGIN
     -- 1. Lock the lapsed tasks, then their runs' attempts: all of them before any spend row.
     SELECT array_agg(c.id) INTO ids FROM (
@@ -878,36 +929,10 @@ BEGIN
     WHERE q.id = ANY (COALESCE(ids, '{}'))
     ORDER BY a.task_id, a.attempt
     FOR NO KEY UPDATE OF a;
+    -- 2. End each run.
     FOR i IN 1 .. COALESCE(array_length(ids, 1), 0) LOOP
         SELECT * INTO t FROM generation.tasks WHERE id = ids[i];
-        IF NOT t.lease_confirmed THEN
-            RETURN QUERY SELECT * FROM generation.hand_back_unconfirmed_v1(t);
-            CONTINUE;
-        END IF;
-        -- 2. End the run.
-        prior := t.lease_token;
-        ending := CASE WHEN t.cancel_requested_at IS NOT NULL THEN 'cancelled'
-                       WHEN t.retry_count + 1 < t.max_retries THEN 'requeued'
-                       ELSE 'failed' END;
-        UPDATE generation.tasks AS q
-        SET status = CASE ending WHEN 'requeued' THEN 'queued' ELSE ending END
-                     ::generation.task_status,
-            retry_count = q.retry_count + (ending <> 'cancelled')::int,
-            reclaimed = (ending = 'requeued'),
-            queued_at = CASE ending WHEN 'requeued' THEN now() ELSE q.queued_at END,
-            error = CASE ending WHEN 'failed' THEN 'lease lapsed on its last run'
-                                WHEN 'cancelled' THEN 'cancelled' ELSE q.error END,
-            completed_at = CASE WHEN ending = 'requeued' THEN NULL ELSE now() END,
-            claim_expires_at = NULL, lease_token = NULL, lease_confirmed = false,
-            last_event_seq = q.last_event_seq + 1
-        WHERE q.id = t.id
-        RETURNING q.* INTO t;
-        -- 3. Close the attempt (reservation released); 4. the event.
-        PERFORM generation.close_attempt_v1(t.id, prior, 'abandoned', 0, false);
-        RETURN QUERY SELECT t, generation.append_event_v1(
-            t.id, ending::generation.task_event_kind,
-            jsonb_build_object('reason', 'lease lapsed', 'error', t.error,
-                               'retry_count', t.retry_count));
+        RETURN QUERY SELECT * FROM generation.end_lapsed_run_v1(t);
     END LOOP;
 END
 $$;
@@ -1038,6 +1063,11 @@ DECLARE
     old_today date;
     new_today date;
 BEGIN
+    -- 0. A time-zone change first stops claims (the day lock, before any row lock): no attempt
+    --    of the old day is started meanwhile, and the zone read below is the one in force.
+    IF p_timezone IS NOT NULL THEN
+        PERFORM pg_advisory_xact_lock(1734700658);
+    END IF;
     SELECT * INTO s FROM generation.settings;
     old_today := (now() AT TIME ZONE s.timezone)::date;
     new_today := (now() AT TIME ZONE COALESCE(p_timezone, s.timezone))::date;
@@ -1090,7 +1120,8 @@ DROP FUNCTION generation.reap_task_v1(uuid, text);
 DROP FUNCTION generation.complete_task_v1(uuid, uuid, jsonb, jsonb, bigint);
 DROP FUNCTION generation.heartbeat_task_v1(uuid, uuid, integer);
 DROP FUNCTION generation.claim_tasks_v1(uuid, integer, integer, boolean, bigint);
-DROP FUNCTION generation.hand_back_unconfirmed_v1(generation.tasks);
+DROP FUNCTION generation.end_lapsed_run_v1(generation.tasks);
+DROP FUNCTION generation.hand_back_unconfirmed_v1(generation.tasks, boolean);
 DROP FUNCTION generation.append_event_v1(uuid, generation.task_event_kind, jsonb);
 DROP FUNCTION generation.close_attempt_v1(uuid, uuid, generation.attempt_outcome, bigint, boolean);
 DROP FUNCTION generation.stale_reason_v1(generation.tasks);

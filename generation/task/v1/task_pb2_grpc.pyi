@@ -45,8 +45,9 @@ class GenerationDataServiceStub:
     idempotency_key already used for the tool: the same input answers with the existing task
     (on_conflict RETURN) or runs a finished one again (REQUEUE: fresh retries; a reservation
     already settled is replaced by this request's and settles in a new round, one not yet
-    settled is kept and settles once, as in RetryTask); a different input is
-    ALREADY_EXISTS. The conflict path writes a no-op update because that returns the row even
+    settled is kept and settles once, as in RetryTask; a completed task whose reservation is not
+    settled yet is answered as RETURN would, since its delivery must be charged first); a
+    different input is ALREADY_EXISTS. The conflict path writes a no-op update because that returns the row even
     when a concurrent duplicate committed after this statement's snapshot; it locks the row, so
     a REQUEUE and a SettleTask of the task are ordered. A requeue appends a `requeued` event
     (its `queued_at` is this statement's now(): nothing else sets it so in an older row).
@@ -203,8 +204,9 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     idempotency_key already used for the tool: the same input answers with the existing task
     (on_conflict RETURN) or runs a finished one again (REQUEUE: fresh retries; a reservation
     already settled is replaced by this request's and settles in a new round, one not yet
-    settled is kept and settles once, as in RetryTask); a different input is
-    ALREADY_EXISTS. The conflict path writes a no-op update because that returns the row even
+    settled is kept and settles once, as in RetryTask; a completed task whose reservation is not
+    settled yet is answered as RETURN would, since its delivery must be charged first); a
+    different input is ALREADY_EXISTS. The conflict path writes a no-op update because that returns the row even
     when a concurrent duplicate committed after this statement's snapshot; it locks the row, so
     a REQUEUE and a SettleTask of the task are ordered. A requeue appends a `requeued` event
     (its `queued_at` is this statement's now(): nothing else sets it so in an older row).
@@ -370,8 +372,9 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         idempotency_key already used for the tool: the same input answers with the existing task
         (on_conflict RETURN) or runs a finished one again (REQUEUE: fresh retries; a reservation
         already settled is replaced by this request's and settles in a new round, one not yet
-        settled is kept and settles once, as in RetryTask); a different input is
-        ALREADY_EXISTS. The conflict path writes a no-op update because that returns the row even
+        settled is kept and settles once, as in RetryTask; a completed task whose reservation is not
+        settled yet is answered as RETURN would, since its delivery must be charged first); a
+        different input is ALREADY_EXISTS. The conflict path writes a no-op update because that returns the row even
         when a concurrent duplicate committed after this statement's snapshot; it locks the row, so
         a REQUEUE and a SettleTask of the task are ordered. A requeue appends a `requeued` event
         (its `queued_at` is this statement's now(): nothing else sets it so in an older row).
