@@ -125,22 +125,37 @@ class Database:
 
     async def _fetch(self, sql: str, params: dict[str, Any], wait: float) -> list[Row]:
         try:
-            async with self.pool.connection(timeout=wait) as connection:
+            # A migration changed a table under statements prepared on the pooled connections (a
+            # rolling deploy: docs/OPERATIONS.md, "Upgrading"). Nothing ran, and _run dropped
+            # the connection with its prepared statements: run it again, on the next one.
+            for _ in range(self.pool.max_size):
                 try:
-                    cursor = await connection.execute(sql, params)
-                    return await cursor.fetchall() if cursor.description else []
-                except BaseException:
-                    # Interrupted mid-statement (cancelled, or the cancel was not confirmed):
-                    # drop the connection rather than hand the next caller a busy one. The pool
-                    # sees it closed and opens a replacement.
-                    if connection.pgconn.transaction_status != TransactionStatus.IDLE:
-                        await connection.close()
-                    raise
+                    return await self._run(sql, params, wait)
+                except psycopg.errors.FeatureNotSupported as error:
+                    if "cached plan must not change result type" not in str(error):
+                        raise
+            return await self._run(sql, params, wait)
         except (psycopg.Error, psycopg_pool.PoolTimeout) as error:
             translated = from_database(error)
             if translated is None:
                 raise
             raise translated from error
+
+    async def _run(self, sql: str, params: dict[str, Any], wait: float) -> list[Row]:
+        async with self.pool.connection(timeout=wait) as connection:
+            try:
+                cursor = await connection.execute(sql, params)
+                return await cursor.fetchall() if cursor.description else []
+            except psycopg.errors.FeatureNotSupported:
+                await connection.close()
+                raise
+            except BaseException:
+                # Interrupted mid-statement (cancelled, or the cancel was not confirmed): drop
+                # the connection rather than hand the next caller a busy one. The pool sees it
+                # closed and opens a replacement.
+                if connection.pgconn.transaction_status != TransactionStatus.IDLE:
+                    await connection.close()
+                raise
 
     def _abandon(self, work: asyncio.Future[list[Row]]) -> None:
         """Cancels a statement nobody waits for any more and lets it unwind on its own.

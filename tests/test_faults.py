@@ -724,3 +724,30 @@ def test_a_lease_shorter_than_the_floor_is_refused(stub: Stub, tool_id: str) -> 
     answer = stub.QueueTask(task_pb2.QueueTaskRequest(tool_id=tool_id))
     claimed = stub.ClaimNextTask(task_pb2.ClaimNextTaskRequest(tool_id=tool_id))
     assert claimed.task.id == answer.task.id and claimed.lease.seconds == 10
+
+
+# --- a migration under a running replica ------------------------------------------------------
+
+
+def test_a_column_added_under_a_running_replica_does_not_break_its_statements(
+    databases: Databases, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A rolling deploy migrates while old replicas serve: their statements, prepared on each
+    pooled connection, meet a table whose rows changed shape ("cached plan must not change
+    result type"). The service re-prepares them on a fresh connection instead of failing."""
+    url = url_for(databases.create("reprepare"))
+    service = ServiceProcess(
+        url, tmp_path_factory.mktemp("reprepare") / "serve.log", GENQ_POOL_MAX_SIZE="2"
+    )
+    try:
+        stub = service.stub
+        tool_id = str(stub.UpsertTool(task_pb2.UpsertToolRequest(name="t")).tool.id)
+        task = queue(stub, tool_id)
+        for _ in range(4):  # prepared on every pooled connection
+            stub.GetTask(task_pb2.GetTaskRequest(task_id=task.id))
+        with psycopg.connect(url, autocommit=True) as db:
+            db.execute("ALTER TABLE generation.tasks ADD COLUMN added_by_a_later_release integer")
+        for _ in range(4):
+            assert stub.GetTask(task_pb2.GetTaskRequest(task_id=task.id)).task.id == task.id
+    finally:
+        service.stop()

@@ -199,7 +199,9 @@ class _TaskEventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TaskEve
     TASK_EVENT_KIND_STREAMING_URL: _TaskEventKind.ValueType  # 2
     TASK_EVENT_KIND_PARTIAL_OUTPUT: _TaskEventKind.ValueType  # 3
     TASK_EVENT_KIND_REQUEUED: _TaskEventKind.ValueType  # 4
-    """Added by the service when FailTask requeues the task."""
+    """Added by the service whenever the task goes back to the queue: a retryable or account
+    failure, a release, a lapsed or undeliverable claim, RetryTask, a QueueTask REQUEUE.
+    """
     TASK_EVENT_KIND_COMPLETED: _TaskEventKind.ValueType  # 5
     """Terminal; added by the service in CompleteTask."""
     TASK_EVENT_KIND_FAILED: _TaskEventKind.ValueType  # 6
@@ -221,7 +223,9 @@ TASK_EVENT_KIND_PROGRESS: TaskEventKind.ValueType  # 1
 TASK_EVENT_KIND_STREAMING_URL: TaskEventKind.ValueType  # 2
 TASK_EVENT_KIND_PARTIAL_OUTPUT: TaskEventKind.ValueType  # 3
 TASK_EVENT_KIND_REQUEUED: TaskEventKind.ValueType  # 4
-"""Added by the service when FailTask requeues the task."""
+"""Added by the service whenever the task goes back to the queue: a retryable or account
+failure, a release, a lapsed or undeliverable claim, RetryTask, a QueueTask REQUEUE.
+"""
 TASK_EVENT_KIND_COMPLETED: TaskEventKind.ValueType  # 5
 """Terminal; added by the service in CompleteTask."""
 TASK_EVENT_KIND_FAILED: TaskEventKind.ValueType  # 6

@@ -459,7 +459,8 @@ class GenerationDataServiceServicer:
 
     def WatchTaskEvents(self, request, context):
         """Replays a task's events from the start (or after `after_sequence`) and follows them until
-        the terminal one (completed or failed). The SQL reads one page; the service repeats it,
+        the terminal one (completed, failed, cancelled or expired). Sequences count per task, in
+        commit order, so paging by them skips nothing. The SQL reads one page; the service repeats it,
         parking between pages until this process appends an event or a short re-check comes due.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -174,7 +174,8 @@ class GenerationDataServiceStub:
     """Appends a progress, streaming-URL or partial-output event to a task the caller holds."""
     WatchTaskEvents: _grpc.UnaryStreamMultiCallable[_task_pb2.WatchTaskEventsRequest, _task_pb2.WatchTaskEventsResponse]
     """Replays a task's events from the start (or after `after_sequence`) and follows them until
-    the terminal one (completed or failed). The SQL reads one page; the service repeats it,
+    the terminal one (completed, failed, cancelled or expired). Sequences count per task, in
+    commit order, so paging by them skips nothing. The SQL reads one page; the service repeats it,
     parking between pages until this process appends an event or a short re-check comes due.
     """
     ListUnsettledTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.ListUnsettledTasksRequest, _task_pb2.ListUnsettledTasksResponse]
@@ -333,7 +334,8 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     """Appends a progress, streaming-URL or partial-output event to a task the caller holds."""
     WatchTaskEvents: _aio.UnaryStreamMultiCallable[_task_pb2.WatchTaskEventsRequest, _task_pb2.WatchTaskEventsResponse]  # type: ignore[assignment]
     """Replays a task's events from the start (or after `after_sequence`) and follows them until
-    the terminal one (completed or failed). The SQL reads one page; the service repeats it,
+    the terminal one (completed, failed, cancelled or expired). Sequences count per task, in
+    commit order, so paging by them skips nothing. The SQL reads one page; the service repeats it,
     parking between pages until this process appends an event or a short re-check comes due.
     """
     ListUnsettledTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.ListUnsettledTasksRequest, _task_pb2.ListUnsettledTasksResponse]  # type: ignore[assignment]
@@ -663,7 +665,8 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_task_pb2.WatchTaskEventsResponse], _abc.AsyncIterator[_task_pb2.WatchTaskEventsResponse]]:
         """Replays a task's events from the start (or after `after_sequence`) and follows them until
-        the terminal one (completed or failed). The SQL reads one page; the service repeats it,
+        the terminal one (completed, failed, cancelled or expired). Sequences count per task, in
+        commit order, so paging by them skips nothing. The SQL reads one page; the service repeats it,
         parking between pages until this process appends an event or a short re-check comes due.
         """
 
