@@ -3,13 +3,16 @@ p99 <= 25 ms), against the spec's polling worker as the baseline, in one run.
 
     .venv/bin/python bench/pickup_latency.py [--rounds 300] [--parked 4] [--poll-rounds 20]
 
-It makes its own database, starts `genq serve` twice on it (with Redis, so the second replica
-is woken through Redis), and measures, for each round, the time from sending QueueTask to a
-parked ClaimNextTask(wait) answering with that task — an upper bound on commit-to-hold, since it
-includes the enqueue call itself. Modes:
+It makes its own database, starts `genq serve` four times on it, one process each
+(GENQ_PROCESSES=1): two with Redis, two without. It measures, for each round, the time from
+sending QueueTask to a parked ClaimNextTask(wait) answering with that task — an upper bound on
+commit-to-hold, since it includes the enqueue call itself. Modes:
 
 - same replica: the claim is parked on the replica that takes the enqueue (in-process wake);
-- cross replica: parked on replica A, enqueued through replica B (Redis pub/sub wake);
+- cross replica: parked on replica A, enqueued through replica B (Redis pub/sub wake, and
+  NOTIFY too: whichever arrives first);
+- cross replica, NOTIFY only: parked on C, enqueued through D, neither with Redis (Postgres
+  LISTEN/NOTIFY; also what wakes the processes of one host across each other);
 - polling (baseline): a worker without a wake, claiming every poll_interval (2.0 s, jittered).
 """
 
@@ -43,7 +46,7 @@ WAIT = duration_pb2.Duration(seconds=10)
 
 
 def start_service(
-    database_url: str, port: int, environment: str, log: Path
+    database_url: str, port: int, environment: str, log: Path, redis: bool = True
 ) -> subprocess.Popen[bytes]:
     env = {
         **os.environ,
@@ -51,7 +54,8 @@ def start_service(
         "GENQ_PORT": str(port),
         "GENQ_HOST": "127.0.0.1",
         "GENQ_HTTP_PORT": "0",
-        "REDIS_ADDR": REDIS_URL,
+        "GENQ_PROCESSES": "1",
+        "REDIS_ADDR": REDIS_URL if redis else "",
         "ENVIRONMENT": environment,
     }
     process = subprocess.Popen(
@@ -169,22 +173,30 @@ def summary(name: str, latencies: list[float]) -> str:
     )
 
 
-async def measure(args: argparse.Namespace, port_a: int, port_b: int) -> None:
+async def measure(args: argparse.Namespace, ports: list[int]) -> None:
     async with (
-        grpc.aio.insecure_channel(f"127.0.0.1:{port_a}") as channel_a,
-        grpc.aio.insecure_channel(f"127.0.0.1:{port_b}") as channel_b,
+        grpc.aio.insecure_channel(f"127.0.0.1:{ports[0]}") as channel_a,
+        grpc.aio.insecure_channel(f"127.0.0.1:{ports[1]}") as channel_b,
+        grpc.aio.insecure_channel(f"127.0.0.1:{ports[2]}") as channel_c,
+        grpc.aio.insecure_channel(f"127.0.0.1:{ports[3]}") as channel_d,
     ):
         a = task_pb2_grpc.GenerationDataServiceStub(channel_a)
         b = task_pb2_grpc.GenerationDataServiceStub(channel_b)
+        c = task_pb2_grpc.GenerationDataServiceStub(channel_c)
+        d = task_pb2_grpc.GenerationDataServiceStub(channel_d)
         tool = (await a.UpsertTool(task_pb2.UpsertToolRequest(name="pickup"))).tool.id
         await parked_rounds(a, a, tool, 20, args.parked)  # warm-up: connections, prepared plans
+        await parked_rounds(d, c, tool, 20, args.parked)
         same, same_lower = await parked_rounds(a, a, tool, args.rounds, args.parked)
         cross, cross_lower = await parked_rounds(b, a, tool, args.rounds, args.parked)
+        notify, notify_lower = await parked_rounds(d, c, tool, args.rounds, args.parked)
         polling = await polling_rounds(a, tool, args.poll_rounds, 2.0)
     print(summary("same replica, from enqueue sent", same))
     print(summary("same replica, from enqueue answered", same_lower))
     print(summary("cross replica, from enqueue sent", cross))
     print(summary("cross replica, from enqueue answered", cross_lower))
+    print(summary("NOTIFY only (no Redis), from sent", notify))
+    print(summary("NOTIFY only (no Redis), from answered", notify_lower))
     print(summary("polling every 2.0 s (baseline)", polling))
     print(
         f"p50 ratio polling / same replica: "
@@ -210,10 +222,11 @@ def main() -> None:
             connection.execute("UPDATE generation.settings SET daily_cap_nanos = 10^18")
         logs = Path(tempfile.mkdtemp(prefix="genq-bench-"))
         environment = f"bench{uuid.uuid4().hex[:6]}"
-        port_a, port_b = free_port(), free_port()
-        services.append(start_service(url, port_a, environment, logs / "a.log"))
-        services.append(start_service(url, port_b, environment, logs / "b.log"))
-        asyncio.run(measure(args, port_a, port_b))
+        ports = [free_port() for _ in range(4)]
+        for index, name in enumerate("abcd"):
+            log = logs / f"{name}.log"
+            services.append(start_service(url, ports[index], environment, log, redis=index < 2))
+        asyncio.run(measure(args, ports))
     finally:
         for process in services:
             process.terminate()

@@ -316,13 +316,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from service import migrations, server
 
     settings = Settings.from_env()
+    server.check(settings)
+    # The one-time work, in this process: the embedded Postgres (it lives as long as this
+    # process), the migration; then one service process, or GENQ_PROCESSES children.
     url = _database_url(settings)
     migrations.upgrade(url)
-    asyncio.run(
-        server.serve(
-            settings, url, ready=lambda port: print(f"genq serving gRPC on port {port}", flush=True)
-        )
-    )
+
+    def ready(port: int) -> None:
+        print(f"genq serving gRPC on port {port}", flush=True)
+
+    if settings.processes > 1:
+        return server.serve_processes(settings, url, ready)
+    asyncio.run(server.serve(settings, url, ready=ready))
     return DONE
 
 

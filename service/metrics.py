@@ -1,7 +1,12 @@
-"""Prometheus metrics of one service process, in a registry of its own, served at /metrics.
+"""Prometheus metrics of one service host, in a registry of its own, served at /metrics.
 
 - RPCs: `genq_rpc_requests_total{method,code}` and `genq_rpc_latency_seconds{method}`, recorded by
-  the handlers (service/handlers.py) as each call ends. These count this process's calls only.
+  the handlers (service/handlers.py) as each call ends, and
+  `genq_process_rpc_requests_total{process}`, the same calls by service process. With one
+  process they count its calls. With several (GENQ_PROCESSES), every child records into
+  prometheus_client's multiprocess files (PROMETHEUS_MULTIPROC_DIR, a directory the parent
+  makes and removes), and the parent, which serves /metrics, sums them with a
+  MultiProcessCollector (`Metrics(host_dir=...)`): the counts are the whole host's.
 - The queue: gauges read from the database at scrape time, from the GetStatus statement (the
   same one the status page and the RPC run) and QUEUE_HEALTH_SQL beside it. They describe the
   whole database, so every replica reports the same values: aggregate them with max(), not sum().
@@ -12,10 +17,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from generation.task.v1 import task_pb2
 from service.database import Database
@@ -53,29 +60,44 @@ SELECT
 
 
 class Metrics:
-    """The process's registry: RPC metrics fed by the handlers, queue metrics read at scrape."""
+    """The registry: RPC metrics fed by the handlers, queue metrics read at scrape.
 
-    def __init__(self) -> None:
+    `process` labels this process's calls in `genq_process_rpc_requests_total` (1 when alone).
+    With `host_dir` the registry serves the RPC metrics every process of the host recorded
+    there instead of its own (the parent of several processes, which answers no RPC)."""
+
+    def __init__(self, process: int = 1, host_dir: Path | None = None) -> None:
         self.registry = CollectorRegistry()
+        own = self.registry if host_dir is None else None
+        self.process = str(process)
         self.rpc_requests = Counter(
             "genq_rpc_requests",
-            "gRPC calls answered by this process, by method and status code.",
+            "gRPC calls answered, by method and status code.",
             ["method", "code"],
-            registry=self.registry,
+            registry=own,
         )
         self.rpc_latency = Histogram(
             "genq_rpc_latency_seconds",
             "Time to answer a unary gRPC call, by method (a claim's `wait` included).",
             ["method"],
             buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+            registry=own,
         )
+        self.process_requests = Counter(
+            "genq_process_rpc_requests",
+            "gRPC calls answered, by service process of this host (1 to GENQ_PROCESSES).",
+            ["process"],
+            registry=own,
+        )
+        if host_dir is not None:
+            MultiProcessCollector(self.registry, path=str(host_dir))  # type: ignore[no-untyped-call]
         self.queue = QueueCollector()
         self.registry.register(self.queue)
 
     def observe_rpc(self, method: str, code: str, seconds: float | None) -> None:
         """Records one call; `seconds` is None for a stream (it lasts as long as its task)."""
         self.rpc_requests.labels(method=method, code=code).inc()
+        self.process_requests.labels(process=self.process).inc()
         if seconds is not None:
             self.rpc_latency.labels(method=method).observe(seconds)
 

@@ -1,12 +1,33 @@
-"""The gRPC server: GenerationDataService bound to its SQL, health, reflection, graceful stop."""
+"""The gRPC server: GenerationDataService bound to its SQL, health, reflection, graceful stop;
+and, with GENQ_PROCESSES above 1, the parent that runs that many of them on one port.
+
+Several processes (`serve_processes`): the parent binds nothing but the HTTP status port and a
+reservation of the gRPC port (the free one GENQ_PORT=0 picks is chosen here, so every child gets
+the same), then starts the children with the spawn start method. Each child is a whole service
+(its own pool, health, wake listener, housekeeping) bound to the port with SO_REUSEPORT, so the
+kernel spreads new connections over them. The parent serves the status page and /metrics for
+the host (the RPC metrics summed over the children's multiprocess files, service/metrics.py),
+forwards SIGTERM and SIGINT to every child and waits for their graceful stop, and when a child
+exits on its own it stops the others and exits 1. A child whose parent is gone stops itself.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing
+import os
+import shutil
 import signal
+import socket
+import tempfile
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -26,6 +47,36 @@ log = logging.getLogger(__name__)
 # A ping every second, each bounded by GENQ_PING_TIMEOUT_SECONDS (1.5): health turns NOT_SERVING
 # at most interval + ping timeout (2.5 s) after Postgres stops answering, idle or busy.
 HEALTH_CHECK_INTERVAL_SECONDS = 1.0
+
+# A child's log lines say which process wrote them.
+CHILD_LOG_FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
+# Beyond the grace the children give calls in flight, the time they get to exit before SIGKILL.
+STOP_MARGIN_SECONDS = 10.0
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+@dataclass(frozen=True)
+class Role:
+    """What one service process does besides answering gRPC."""
+
+    process: int = 1
+    """Its number among the host's processes, 1 to GENQ_PROCESSES (a metrics label)."""
+    reuse_port: bool = False
+    """SO_REUSEPORT on the gRPC port: several processes share it."""
+    status_page: bool = True
+    """Serves GENQ_HTTP_PORT (with several processes the parent does)."""
+    purge_at_start: bool = True
+    """Purges once at start (the host's first process), leader or not."""
+
+
+def check(settings: Settings) -> None:
+    """Refuses settings `serve` cannot run with."""
+    if settings.processes < 1:
+        raise SystemExit(f"GENQ_PROCESSES={settings.processes}: must be at least 1")
+    if settings.leader_renew_seconds <= 0:
+        raise SystemExit("GENQ_LEADER_RENEW_SECONDS must be above 0")
+    if settings.leader_ttl_seconds <= settings.leader_renew_seconds:
+        raise SystemExit("GENQ_LEADER_TTL_SECONDS must be above GENQ_LEADER_RENEW_SECONDS")
 
 
 async def watch_health(database: Database, health_servicer: health.aio.HealthServicer) -> None:
@@ -55,13 +106,15 @@ async def serve(
     database_url: str,
     ready: Callable[[int], None] | None = None,
     stop: asyncio.Event | None = None,
+    role: Role = Role(),
 ) -> None:
     """Serves until SIGTERM or SIGINT (or `stop` is set, when given), then stops taking calls
     and lets those in flight finish."""
+    check(settings)
     database = Database(database_url, settings)
     await database.open()
     try:
-        await _serve(database, settings, ready, stop)
+        await _serve(database, database_url, settings, ready, stop, role)
     finally:
         # Also when the start fails (a port in use): an open pool would keep the process alive.
         await database.close()
@@ -69,18 +122,20 @@ async def serve(
 
 async def _serve(
     database: Database,
+    database_url: str,
     settings: Settings,
     ready: Callable[[int], None] | None,
     stop: asyncio.Event | None,
+    role: Role,
 ) -> None:
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", settings.max_message_bytes),
-            ("grpc.so_reuseport", 0),
+            ("grpc.so_reuseport", 1 if role.reuse_port else 0),
         ]
     )
-    signals = Signals(settings)
-    metrics = Metrics()
+    signals = Signals(settings, database_url)
+    metrics = Metrics(process=role.process)
     handlers = Handlers(database, signals, settings, metrics)
     server.add_generic_rpc_handlers([handlers.generic_handler()])
     health_servicer = health.aio.HealthServicer()
@@ -88,20 +143,27 @@ async def _serve(
     reflection.enable_server_reflection(
         [SERVICE.full_name, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
-    replica = uuid.uuid4()
+    replica = uuid.uuid4()  # this process: its overrides' row, its claim on the leader lease
+    leadership = housekeeping.Leadership(database, settings, replica)
     if housekeeping.overrides(settings):
         # Shown before this replica serves, and refreshed by housekeeping while it runs.
         try:
             await housekeeping.show_overrides(database, settings, replica)
         except Exception as error:
             log.warning("could not show this replica's overrides yet: %s", error)
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
     # The status page and /metrics; a port in use fails the start, like the gRPC port.
-    status_server = StatusServer(database, settings, metrics)
-    http_port = await status_server.start()
+    status_server = StatusServer(database, settings, metrics) if role.status_page else None
+    http_port = await status_server.start() if status_server else None
+    try:
+        port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    except BaseException:
+        if status_server:
+            await status_server.close()
+        raise
     await server.start()
     log.info("GenerationDataService listening on %s:%d", settings.host, port)
-    log.info("status page and /metrics on http://%s:%d/", settings.host, http_port)
+    if http_port is not None:
+        log.info("status page and /metrics on http://%s:%d/", settings.host, http_port)
     if ready:
         ready(port)
 
@@ -111,17 +173,28 @@ async def _serve(
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     background = [
         asyncio.create_task(watch_health(database, health_servicer)),
-        asyncio.create_task(housekeeping.run(database, signals, settings, replica)),
+        asyncio.create_task(
+            housekeeping.run(
+                database,
+                signals,
+                settings,
+                replica,
+                leadership,
+                purge_at_start=role.purge_at_start,
+            )
+        ),
         asyncio.create_task(signals.listen()),
     ]
     await stop.wait()
     log.info("stopping: finishing calls in flight (up to %.0f s)", settings.shutdown_grace_seconds)
     await health_servicer.enter_graceful_shutdown()
-    await status_server.close()
+    if status_server:
+        await status_server.close()
     await server.stop(settings.shutdown_grace_seconds)
     for job in background:
         job.cancel()
     await asyncio.gather(*background, return_exceptions=True)
+    await leadership.resign()  # after the sweeps stopped: the next leader never overlaps them
     await signals.close()
     if housekeeping.overrides(settings):
         try:
@@ -129,3 +202,226 @@ async def _serve(
         except Exception as error:  # it lapses in 30 s anyway
             log.warning("could not withdraw this replica's overrides: %s", error)
     log.info("stopped")
+
+
+# -- several processes ---------------------------------------------------------------------------
+
+
+def serve_processes(
+    settings: Settings, database_url: str, ready: Callable[[int], None] | None = None
+) -> int:
+    """Runs GENQ_PROCESSES service processes on one port until SIGTERM or SIGINT; returns the
+    exit status: 0 after a clean stop, 1 when a child exited on its own or did not stop cleanly.
+    `ready` gets the port once every child serves."""
+    check(settings)
+    return asyncio.run(_supervise(settings, database_url, ready))
+
+
+class Child:
+    """One service process and what the parent knows of it."""
+
+    def __init__(self, process: BaseProcess, messages: Connection, number: int) -> None:
+        self.process = process
+        self.number = number
+        loop = asyncio.get_running_loop()
+        self.ready: asyncio.Future[int] = loop.create_future()
+        self.exited: asyncio.Future[int] = loop.create_future()
+        self._messages = messages
+        self._reaper: asyncio.Future[None] | None = None
+        loop.add_reader(messages.fileno(), self._message)
+        loop.add_reader(process.sentinel, self._ended)
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    def _message(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            port = self._messages.recv()
+        except (EOFError, OSError):
+            port = None
+        loop.remove_reader(self._messages.fileno())
+        self._messages.close()
+        if port is not None and not self.ready.done():
+            self.ready.set_result(int(port))
+
+    def _ended(self) -> None:
+        asyncio.get_running_loop().remove_reader(self.process.sentinel)
+        self._reaper = asyncio.ensure_future(self._reap())
+
+    async def _reap(self) -> None:
+        await asyncio.to_thread(self.process.join)  # the sentinel closes a moment before the reap
+        if not self._messages.closed:
+            self._message()  # a ready message sent just before exiting still counts
+        code = self.process.exitcode
+        self.exited.set_result(-1 if code is None else code)
+
+
+async def _supervise(
+    settings: Settings, database_url: str, ready: Callable[[int], None] | None
+) -> int:
+    loop = asyncio.get_running_loop()
+    reservation = reserve_port(settings.host, settings.port)
+    port = int(reservation.getsockname()[1])
+    host_dir = Path(tempfile.mkdtemp(prefix="genq-metrics-"))
+    # Read by prometheus_client when each child imports it: the children record there.
+    os.environ[MULTIPROC_ENV] = str(host_dir)
+    # The parent's pool serves only the status page, /metrics and /healthz.
+    database = Database(database_url, replace(settings, pool_min_size=1, pool_max_size=2))
+    await database.open()
+    status_server = StatusServer(database, settings, Metrics(host_dir=host_dir))
+    children: list[Child] = []
+    stopped = False
+    try:
+        http_port = await status_server.start()
+        log.info("status page and /metrics on http://%s:%d/", settings.host, http_port)
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        context = multiprocessing.get_context("spawn")
+        child_settings = replace(settings, port=port)
+        for number in range(1, settings.processes + 1):
+            receive, send = context.Pipe(duplex=False)
+            process = context.Process(
+                target=_child_main,
+                args=(child_settings, database_url, number, send),
+                name=f"genq-{number}",
+            )
+            process.start()
+            send.close()
+            children.append(Child(process, receive, number))
+        stopped = await _watch(children, stop, reservation, port, ready)
+    finally:
+        reservation.close()
+        clean = await _stop_children(children, settings.shutdown_grace_seconds)
+        await status_server.close()
+        await database.close()
+        os.environ.pop(MULTIPROC_ENV, None)
+        shutil.rmtree(host_dir, ignore_errors=True)
+    if stopped and clean:
+        log.info("stopped")
+        return 0
+    return 1
+
+
+async def _watch(
+    children: list[Child],
+    stop: asyncio.Event,
+    reservation: socket.socket,
+    port: int,
+    ready: Callable[[int], None] | None,
+) -> bool:
+    """Waits for a stop (True) or a child's exit (False); calls `ready` once all serve."""
+    stopping = asyncio.ensure_future(stop.wait())
+    serving = asyncio.ensure_future(asyncio.gather(*(child.ready for child in children)))
+    exits = {child.exited for child in children}
+    try:
+        while True:
+            waiting: set[asyncio.Future[Any]] = {stopping, *exits}
+            if not serving.done():
+                waiting.add(serving)
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if stopping.done():
+                log.info("stopping: %d service processes", len(children))
+                return True
+            for child in children:
+                if child.exited.done():
+                    log.error(
+                        "service process %d (pid %s) exited with status %s; stopping the others",
+                        child.number,
+                        child.pid,
+                        child.exited.result(),
+                    )
+                    return False
+            if serving.done():
+                reservation.close()  # every child holds the port now
+                log.info(
+                    "%d service processes serving gRPC on port %d (pids %s)",
+                    len(children),
+                    port,
+                    ", ".join(str(child.pid) for child in children),
+                )
+                if ready:
+                    ready(port)
+    finally:
+        stopping.cancel()
+        serving.cancel()
+
+
+async def _stop_children(children: list[Child], grace: float) -> bool:
+    """SIGTERM to every child still running, SIGKILL to any still there after the grace and a
+    margin; True when every child exited 0."""
+    running = [child for child in children if not child.exited.done()]
+    for child in running:
+        child.process.terminate()
+    if running:
+        await asyncio.wait([child.exited for child in running], timeout=grace + STOP_MARGIN_SECONDS)
+    for child in running:
+        if not child.exited.done():
+            log.warning("service process %d (pid %s) did not stop: killed", child.number, child.pid)
+            child.process.kill()
+    if running:
+        await asyncio.wait([child.exited for child in running], timeout=STOP_MARGIN_SECONDS)
+    return all(child.exited.done() and child.exited.result() == 0 for child in children)
+
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """Binds host:port (0: a free one) with SO_REUSEPORT for the children, which bind it the
+    same way; held (never listening) until they all serve, so a port 0 picked is not given
+    away meanwhile. A port something already listens on fails the start, as with one process:
+    a second `genq serve` must not silently share the port."""
+    bind_host = host.strip("[]") or "0.0.0.0"
+    family, kind, _, _, address = socket.getaddrinfo(
+        bind_host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    if port:
+        probe = socket.socket(family, kind)  # no SO_REUSEPORT: any listener there refuses it
+        try:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+        except OSError as error:
+            raise OSError(
+                error.errno, f"GENQ_PORT: cannot listen on {host}:{port} ({error.strerror})"
+            ) from error
+        finally:
+            probe.close()
+    reservation = socket.socket(family, kind)
+    reservation.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    reservation.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        reservation.bind(address)
+    except OSError:
+        reservation.close()
+        raise
+    return reservation
+
+
+def _child_main(settings: Settings, database_url: str, number: int, ready: Connection) -> None:
+    """A child's entry point (spawned: a fresh interpreter)."""
+    logging.basicConfig(level=logging.INFO, format=CHILD_LOG_FORMAT, force=True)
+    # Ctrl-C reaches the whole process group; the parent forwards it as SIGTERM.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    role = Role(process=number, reuse_port=True, status_page=False, purge_at_start=number == 1)
+    asyncio.run(_child(settings, database_url, role, ready))
+
+
+async def _child(settings: Settings, database_url: str, role: Role, ready: Connection) -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+
+        def orphaned() -> None:
+            loop.remove_reader(parent.sentinel)
+            log.error("the parent process is gone; stopping")
+            stop.set()
+
+        loop.add_reader(parent.sentinel, orphaned)
+
+    def serving(port: int) -> None:
+        ready.send(port)
+        ready.close()
+
+    await serve(settings, database_url, ready=serving, stop=stop, role=role)

@@ -68,7 +68,20 @@ class Settings:
     """GENQ_LEASE_SECONDS (120): lease length set by a claim and by each heartbeat."""
 
     rescue_interval_seconds: float = 1.0
-    """GENQ_RESCUE_INTERVAL_SECONDS (1): how often lapsed leases are handed back to the queue."""
+    """GENQ_RESCUE_INTERVAL_SECONDS (1): how often the maintenance leader hands lapsed leases back
+    to the queue and expires tasks past their TTL."""
+
+    processes: int = os.cpu_count() or 1
+    """GENQ_PROCESSES (the number of CPUs, os.cpu_count()): service processes `genq serve` runs,
+    all on GENQ_PORT (SO_REUSEPORT), each with its own pool; 1 runs the service in one process."""
+
+    leader_ttl_seconds: float = 10.0
+    """GENQ_LEADER_TTL_SECONDS (10): the maintenance leader's lease (generation.leader); a leader
+    that dies or freezes is replaced at most this plus GENQ_LEADER_RENEW_SECONDS later."""
+
+    leader_renew_seconds: float = 3.0
+    """GENQ_LEADER_RENEW_SECONDS (3): how often the leader renews its lease, and every other
+    process tries to take it."""
 
     max_input_bytes: int = 1_048_576
     """GENQ_MAX_INPUT_BYTES (1 MiB): largest `input` or `output` accepted, serialized."""

@@ -1,8 +1,19 @@
 """What the service does after a statement commits: wake parked claims and event watchers here,
-and, when Redis is configured, tell the other replicas and mirror events into Redis Streams.
+tell the other processes and replicas through Postgres NOTIFY, and, when Redis is configured,
+through Redis too and mirror events into Redis Streams.
 
-Nothing here can fail a call. Redis work runs after the commit, off the call's path; its errors
-are logged and dropped, and the short re-check of every parked reader is the floor.
+Nothing here can fail a call. NOTIFY and Redis work run after the commit, off the call's path;
+their errors are logged and dropped, and the short re-check of every parked reader is the floor.
+
+The Postgres wake (`WAKE_CHANNEL`): `task_queued` adds the tool to a pending map (tool id → tasks
+queued) and, unless a send is in flight, starts one; while it is in flight more tools and counts
+collect, and the next send takes them all. A send is one `SELECT pg_notify(...) FROM unnest(...)`
+on a dedicated autocommit connection, never the enqueue's own transaction: a transaction that
+notifies takes a database-wide lock at commit, which would serialize every enqueue. The payload
+is `{tool_id}:{count}`. Every process LISTENs on a dedicated connection of its own and wakes up to
+`count` parked claims of the tool; it skips what its own notifier sent (it woke those claims
+in-process already). A lost listener reconnects with backoff and, once back, wakes every parked
+claim once, since wakes may have been missed meanwhile.
 
 The event mirror keeps each task's Redis Stream in sequence order, its terminal event last.
 `event_added` only appends the event to one bounded queue (O(1), never awaits); one mirror task
@@ -31,8 +42,10 @@ from collections import OrderedDict
 from collections.abc import Awaitable
 from typing import Any
 
+import psycopg
 import redis.asyncio as redis
 
+from service.database import connection_kwargs
 from service.settings import Settings
 from service.wake import Wake
 
@@ -53,9 +66,26 @@ MIRROR_TRACKED_TASKS = 10_000
 
 CLOSE_TIMEOUT_SECONDS = 2.0
 
+WAKE_CHANNEL = "genq_wake"
+"""The Postgres NOTIFY channel of wakes, payload `{tool_id}:{count}`; per database."""
+
+NOTIFY_SQL = f"SELECT pg_notify('{WAKE_CHANNEL}', w) FROM unnest(%(wakes)s::text[]) AS w"
+NOTIFY_TIMEOUT_SECONDS = 2.0
+"""A send that takes longer is given up (its wakes dropped) and its connection closed."""
+
+NOTIFY_RETRY_SECONDS = 1.0
+"""After a failed send, wakes are dropped (not queued) for this long before connecting again."""
+
+LISTEN_CHECK_SECONDS = 10.0
+"""A quiet listener checks its connection this often (SELECT 1 within NOTIFY_TIMEOUT_SECONDS)."""
+
+RECONNECT_MIN_SECONDS, RECONNECT_MAX_SECONDS = 0.1, 5.0
+
 
 class Signals:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, database_url: str | None = None) -> None:
+        """With `database_url`, wakes also go to (and come from) every process on the database
+        through NOTIFY / LISTEN on `WAKE_CHANNEL`."""
         self.tools = Wake()
         self.tasks = Wake()
         self.environment = settings.environment
@@ -73,12 +103,32 @@ class Signals:
         self._mirrored: OrderedDict[str, int] = OrderedDict()
         """Task id → the last sequence written to its stream, least recently written first."""
         self._dropped = 0
+        # The Postgres wake.
+        self._database_url = database_url
+        self._connect_kwargs: dict[str, Any] = (
+            {**connection_kwargs(database_url, settings), "autocommit": True}
+            if database_url
+            else {}
+        )
+        self._pending: dict[str, int] = {}
+        """Tool id → tasks queued, waiting for the next NOTIFY."""
+        self._sender: asyncio.Task[None] | None = None
+        self._notifier: psycopg.AsyncConnection[Any] | None = None
+        self._notifier_pid: int | None = None
+        """The notifier's backend pid: a notification from it was woken in-process already."""
+        self._notify_retry_at = 0.0
+        self._notify_failures = 0
+        self._stray: set[asyncio.Future[Any]] = set()
 
     def events_stream(self, task_id: str) -> str:
         return f"{self.environment}:common:task:{task_id}:events"
 
     def task_queued(self, tool_id: str, count: int = 1) -> None:
         self.tools.notify(tool_id, count)
+        if self._database_url is not None:
+            self._pending[tool_id] = self._pending.get(tool_id, 0) + count
+            if self._sender is None or self._sender.done():
+                self._sender = asyncio.create_task(self._send_wakes(), name="postgres wake sender")
         if self.redis is not None:
             self._spawn(self.redis.publish(self.wake_channel, tool_id))
 
@@ -177,9 +227,17 @@ class Signals:
             log.warning("redis signal dropped: %s", error)
 
     async def listen(self) -> None:
-        """Wakes parked claims for tasks queued through other replicas; runs until cancelled."""
-        if self._redis_url is None:
-            return
+        """Wakes parked claims for tasks queued through other processes and replicas, from
+        Postgres and (when configured) Redis; runs until cancelled."""
+        listeners = []
+        if self._database_url is not None:
+            listeners.append(self._listen_postgres())
+        if self._redis_url is not None:
+            listeners.append(self._listen_redis())
+        await asyncio.gather(*listeners)
+
+    async def _listen_redis(self) -> None:
+        assert self._redis_url is not None
         # A connection of its own without a read timeout: a quiet channel is not a failure.
         subscriber = redis.Redis.from_url(self._redis_url, health_check_interval=30)
         while True:
@@ -195,8 +253,112 @@ class Signals:
                 log.warning("redis wake subscription lost (%s); retrying in 1 s", error)
                 await asyncio.sleep(1)
 
+    # -- the Postgres wake ------------------------------------------------------------------
+
+    async def _send_wakes(self) -> None:
+        """Sends what is pending, one NOTIFY statement at a time, until nothing is."""
+        while self._pending:
+            wakes = [f"{tool_id}:{count}" for tool_id, count in self._pending.items()]
+            self._pending = {}
+            loop = asyncio.get_running_loop()
+            if loop.time() < self._notify_retry_at:
+                continue  # the last send failed just now: drop these, the re-check covers them
+            try:
+                await self._notify(wakes)
+            except Exception as error:  # a wake must never fail anything
+                self._notify_retry_at = loop.time() + NOTIFY_RETRY_SECONDS
+                self._notify_failures += 1
+                if self._notify_failures == 1 or self._notify_failures % 100 == 0:
+                    log.warning(
+                        "postgres wake: %d tools not notified (%s; %d failed sends so far)",
+                        len(wakes),
+                        error or type(error).__name__,
+                        self._notify_failures,
+                    )
+                await self._close_notifier()
+
+    async def _notify(self, wakes: list[str]) -> None:
+        if self._notifier is None or self._notifier.closed:
+            assert self._database_url is not None
+            self._notifier = await asyncio.wait_for(
+                psycopg.AsyncConnection.connect(self._database_url, **self._connect_kwargs),
+                NOTIFY_TIMEOUT_SECONDS + self._connect_kwargs.get("connect_timeout", 3),
+            )
+            self._notifier_pid = self._notifier.info.backend_pid
+        await self._bounded(self._notifier, self._notifier.execute(NOTIFY_SQL, {"wakes": wakes}))
+
+    async def _bounded(
+        self, connection: psycopg.AsyncConnection[Any], work: Awaitable[Any]
+    ) -> None:
+        """Runs one statement, given up after NOTIFY_TIMEOUT_SECONDS: then the connection is
+        closed first (a frozen server never answers psycopg's cancel) and the statement left to
+        fail on its own."""
+        job = asyncio.ensure_future(work)
+        done, _ = await asyncio.wait([job], timeout=NOTIFY_TIMEOUT_SECONDS)
+        if job in done:
+            job.result()
+            return
+        await connection.close()
+        job.cancel()
+        self._stray.add(job)
+        job.add_done_callback(self._stray_done)
+        raise TimeoutError(f"no answer within {NOTIFY_TIMEOUT_SECONDS:.0f} s")
+
+    def _stray_done(self, job: asyncio.Future[Any]) -> None:
+        self._stray.discard(job)
+        if not job.cancelled():
+            job.exception()  # retrieved: it failed with the closed connection, as expected
+
+    async def _close_notifier(self) -> None:
+        notifier, self._notifier, self._notifier_pid = self._notifier, None, None
+        if notifier is not None:
+            with contextlib.suppress(Exception):
+                await notifier.close()
+
+    def _woken(self, notify: psycopg.Notify) -> None:
+        if notify.pid == self._notifier_pid:
+            return  # sent by this process, whose parked claims were woken in-process
+        tool_id, _, count = notify.payload.partition(":")
+        self.tools.notify(tool_id, int(count) if count.isdigit() else 1)
+
+    async def _listen_postgres(self) -> None:
+        assert self._database_url is not None
+        backoff = RECONNECT_MIN_SECONDS
+        lost = False
+        while True:
+            try:
+                connection = await psycopg.AsyncConnection.connect(
+                    self._database_url, **self._connect_kwargs
+                )
+            except (psycopg.Error, OSError) as error:
+                if not lost:
+                    log.warning("postgres wake listener: cannot connect (%s); retrying", error)
+                lost = True
+                await asyncio.sleep(backoff)
+                backoff = min(RECONNECT_MAX_SECONDS, backoff * 2)
+                continue
+            try:
+                await connection.execute(f"LISTEN {WAKE_CHANNEL}")
+                log.info("listening for wakes on Postgres channel %s", WAKE_CHANNEL)
+                if lost:
+                    self.tools.notify_all()  # wakes sent while it was away are lost: re-read
+                lost, backoff = False, RECONNECT_MIN_SECONDS
+                while True:
+                    async for notify in connection.notifies(timeout=LISTEN_CHECK_SECONDS):
+                        self._woken(notify)
+                    await self._bounded(connection, connection.execute("SELECT 1"))
+            except (psycopg.Error, OSError, TimeoutError) as error:
+                log.warning("postgres wake listener lost (%s); reconnecting", error)
+                lost = True
+                await asyncio.sleep(backoff)
+                backoff = min(RECONNECT_MAX_SECONDS, backoff * 2)
+            finally:
+                with contextlib.suppress(Exception):
+                    await connection.close()
+
     async def close(self) -> None:
-        """Gives the mirror and the wakes in flight a moment to finish, then closes Redis."""
+        """Gives the mirror and the wakes in flight a moment to finish, then closes Redis and the
+        notifier."""
         mirror = self._mirror_task
         if mirror is not None and self._mirror_queue is not None:
             if not mirror.done():
@@ -206,5 +368,9 @@ class Signals:
             await asyncio.gather(mirror, return_exceptions=True)
         if self._background:
             await asyncio.wait(self._background, timeout=CLOSE_TIMEOUT_SECONDS)
+        if self._sender is not None and not self._sender.done():
+            await asyncio.wait([self._sender], timeout=CLOSE_TIMEOUT_SECONDS)
+            self._sender.cancel()
+        await self._close_notifier()
         if self.redis is not None:
             await self.redis.aclose()

@@ -2,7 +2,8 @@
 
 A waiter registers *before* it reads the database and waits *after*: a notify that lands while
 it reads is not lost (the spec's clear-before-sweep). Waking is best effort; every waiter also
-re-reads on a short timer, so correctness never depends on a wake arriving.
+re-reads on a short timer, so correctness never depends on a wake arriving. Wakes from other
+processes and replicas (Postgres NOTIFY, Redis) arrive here through service/signals.py.
 """
 
 from __future__ import annotations
@@ -43,3 +44,8 @@ class Wake:
                 count = None if count is None else count - 1
         if not waiters:
             self._waiters.pop(key, None)
+
+    def notify_all(self) -> None:
+        """Wakes every waiter of every key: after wakes may have been missed (a lost channel)."""
+        for key in list(self._waiters):
+            self.notify(key, count=None)

@@ -156,6 +156,9 @@ class ServiceProcess:
             "GENQ_HTTP_PORT": "0",  # many services at once: the status page takes a free port
             "GENQ_HOST": "127.0.0.1",
             "GENQ_RESCUE_INTERVAL_SECONDS": "0.2",
+            # One process per service: dozens of services share the machine's Postgres and its
+            # max_connections; tests/test_processes.py runs several on purpose.
+            "GENQ_PROCESSES": "1",
             **env,
         }
         environment.pop("DATABASE_URL", None)
