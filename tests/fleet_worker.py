@@ -6,9 +6,11 @@ GENQ_HEARTBEAT_INTERVAL, GENQ_DRAIN_TIMEOUT.
 The handler first publishes a progress event "started by <WORKER_ID>" (so a test sees in SQL
 which worker runs what), then sleeps `input.seconds` in one sleep (no event after it: a worker
 resumed after SIGSTOP must reach CompleteTask, not learn of its lost lease from a publish) and
-returns {"worker": WORKER_ID}. When `input.hang_on` names this worker it never finishes on its
-own: it runs until the process is killed or the drain gives up on it. A task with `input.poison`
-kills the worker's process (exit 137, as an OOM kill would) right after that first event.
+returns {"worker": WORKER_ID}; it logs "task <id>: sleeping" right before that sleep (so a test
+knows the publish's answer is in and the sleep's clock runs). When `input.hang_on` names this
+worker it never finishes on its own: it runs until the process is killed or the drain gives up
+on it. A task with `input.poison` kills the worker's process (exit 137, as an OOM kill would)
+right after that first event.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ async def handle(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
         os._exit(137)
     if ctx.input.get("hang_on") == WORKER_ID:
         await asyncio.Event().wait()
+    logging.getLogger(__name__).info("task %s: sleeping", task.id)
     await asyncio.sleep(float(ctx.input.get("seconds", 0.0)))
     return {"worker": WORKER_ID}
 

@@ -280,7 +280,7 @@ def test_a_settlement_racing_a_requeue_never_refunds_a_task_that_runs_again(
         running = []
         for waiting, name in enumerate(order, start=1):
             running.append(pool.submit(calls[name]))
-            wait_for(lambda n=waiting: lock_waiters(db) >= n, what=f"{name} to wait")
+            wait_for(partial(lock_waiters_reach, db, waiting), what=f"{name} to wait")
         blocker.rollback()
         settled_now = dict(zip(order, [r.result(timeout=20) for r in running], strict=True))
     assert settled_now["settle"] is (first == "settle")
@@ -300,6 +300,10 @@ def test_a_settlement_racing_a_requeue_never_refunds_a_task_that_runs_again(
     assert final.charged_token_amount == 30
     assert final.settlement_round == stored["settlement_round"] == (2 if first == "settle" else 1)
     assert_invariants(db, tool_id, [task.id])
+
+
+def lock_waiters_reach(db: Db, count: int) -> bool:
+    return lock_waiters(db) >= count
 
 
 def lock_waiters(db: Db) -> int:

@@ -656,7 +656,9 @@ def test_scripted_a_claim_that_cannot_be_confirmed_is_not_run(
         client,
         lambda: client.beats >= attempts_allowed and client.log.count("ClaimNextTask") > 10,
     )
-    assert log == ["UpsertTool", *["HeartbeatTask"] * attempts_allowed]
+    # Not run, and handed back: one of the tries may have committed (its answer lost), and a
+    # confirmed lease's lapse would cost a retry for a run that never happened.
+    assert log == ["UpsertTool", *["HeartbeatTask"] * attempts_allowed, "ReleaseTask"]
 
 
 def test_scripted_heartbeats_follow_the_lease() -> None:
@@ -725,3 +727,516 @@ def test_scripted_a_cancel_before_the_start_runs_nothing() -> None:
         task_pb2.FAILURE_KIND_CANCELLED,
         0,
     )
+
+
+# -- batching: claims, confirmations, heartbeats and reports share calls ------------------------
+
+
+class CountingClient(GenqClient):
+    """GenqClient that records every call: (method, items), items being a batch's length (1 for
+    a single RPC), and for a claim how many tasks it brought."""
+
+    calls: list[tuple[str, int]]
+    sent: list[float]
+    claimed: list[int]
+
+    def __init__(self, target: str, *, timeout: float = 10.0) -> None:
+        super().__init__(target, timeout=timeout)
+        self.calls = []
+        self.sent = []
+        self.claimed = []
+        COUNTING.append(self)
+
+    async def call(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
+        items = len(request.tasks) if "tasks" in request.DESCRIPTOR.fields_by_name else 1
+        self.calls.append((method, items))
+        self.sent.append(time.monotonic())
+        response = await super().call(method, request, timeout=timeout)
+        if method == "ClaimTasks":
+            self.claimed.append(len(response.tasks))
+        elif method == "ClaimNextTask":
+            self.claimed.append(int(response.HasField("task")))
+        return response
+
+    def count(self, *methods: str) -> int:
+        return sum(1 for method, _ in self.calls if method in methods)
+
+    def items(self, *methods: str) -> int:
+        return sum(items for method, items in self.calls if method in methods)
+
+
+COUNTING: list[CountingClient] = []
+
+
+@pytest.fixture
+def counting(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[CountingClient]]:
+    """The clients fleets make in this test (one per fleet), counting their calls."""
+    COUNTING.clear()
+    monkeypatch.setattr(fleet_module, "GenqClient", CountingClient)
+    yield COUNTING
+    COUNTING.clear()
+
+
+def completed_once(db: Db, task_ids: list[str]) -> None:
+    """Each task completed, on its first attempt, with one completed event and one attempt."""
+    rows = db.execute(
+        "SELECT t.id::text AS id, t.status::text AS status, t.retry_count, "
+        "  (SELECT count(*) FROM generation.attempts AS a WHERE a.task_id = t.id) AS attempts, "
+        "  (SELECT count(*) FROM generation.attempts AS a "
+        "   WHERE a.task_id = t.id AND a.outcome = 'completed') AS completed_attempts, "
+        "  (SELECT count(*) FROM generation.task_events AS e "
+        "   WHERE e.task_id = t.id AND e.kind = 'completed') AS completed_events "
+        "FROM generation.tasks AS t WHERE t.id = ANY(%s::uuid[])",
+        [task_ids],
+    ).fetchall()
+    assert len(rows) == len(task_ids)
+    for found in rows:
+        assert (
+            found["status"],
+            found["retry_count"],
+            found["attempts"],
+            found["completed_attempts"],
+            found["completed_events"],
+        ) == ("completed", 0, 1, 1, 1), found
+
+
+def test_eight_lanes_drain_fifty_tasks_in_few_calls(
+    service: ServiceProcess, db: Db, counting: list[CountingClient]
+) -> None:
+    """8 lanes, 50 quick tasks: the claims ask for the free lanes, the confirmations of a claim
+    go in one HeartbeatTasks, and the completions share CompleteTasks. Far fewer calls than
+    tasks, each task completed once, one attempt each in the ledger."""
+    name = tool_name()
+    tool_id = service.stub.UpsertTool(task_pb2.UpsertToolRequest(name=name)).tool.id
+    tasks = [queue(service.stub, tool_id, input={"n": n}) for n in range(50)]
+    fleet = new_fleet(service)
+    runs: Counter[str] = Counter()
+
+    @fleet.tool(name, concurrency=8)
+    async def quick(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
+        runs[task.id] += 1
+        return {"n": ctx.input["n"]}
+
+    with running(fleet):
+        wait_for(lambda: terminal(db, *tasks), what="the 50 tasks to complete")
+    [client] = counting
+    completed_once(db, tasks)
+    assert runs == dict.fromkeys(tasks, 1)
+    assert [row(db, t)["output"] for t in tasks] == [{"n": n} for n in range(50)]
+    claims = [n for n in client.claimed if n]
+    assert sum(claims) == 50
+    assert len(claims) <= 50 / 4, client.claimed  # 8 at a time, save the last few
+    assert client.count("ClaimTasks") >= 1
+    reports = client.count("CompleteTask", "CompleteTasks")
+    assert client.items("CompleteTask", "CompleteTasks") == 50
+    assert reports <= 50 / 4, client.calls
+    beats = client.count("HeartbeatTask", "HeartbeatTasks")
+    assert client.items("HeartbeatTask", "HeartbeatTasks") >= 50  # every claim confirmed
+    assert beats <= 50 / 4, client.calls
+    assert client.count("FailTask", "FailTasks", "ReleaseTask") == 0
+
+
+@pytest.mark.parametrize("delay", [fleet_module.DEFAULT_REPORT_DELAY, 0.3], ids=["default", "0.3s"])
+def test_a_lone_report_leaves_within_report_delay(
+    service: ServiceProcess, db: Db, counting: list[CountingClient], delay: float
+) -> None:
+    """A task alone waits for company no longer than `report_delay`: its CompleteTask leaves
+    between `report_delay` and a little more after the handler returns (the loop's own latency,
+    on a loaded machine), and with the defaults a parked worker completes it at once."""
+    name = tool_name()
+    fleet = new_fleet(service, report_delay=delay)
+    returned: list[float] = []
+
+    @fleet.tool(name, concurrency=4)
+    async def quick(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
+        returned.append(time.monotonic())
+        return {}
+
+    with running(fleet):
+        [client] = counting
+        wait_for(lambda: client.count("ClaimTasks"), what="the claim to park")
+        sent = time.monotonic()
+        task_id = queue(service.stub, fleet.tool_ids[name])
+        wait_for(lambda: terminal(db, task_id), timeout=5, what="the lone task")
+        done = time.monotonic()
+    completed_once(db, [task_id])
+    [handler_returned] = returned
+    [reported] = [
+        at
+        for (method, _), at in zip(client.calls, client.sent, strict=True)
+        if method == "CompleteTask"
+    ]
+    assert delay <= reported - handler_returned < delay + 0.1
+    if delay == fleet_module.DEFAULT_REPORT_DELAY:
+        # Wake, claim, confirm, handler, complete: a few round trips, nowhere near a second.
+        assert done - sent < 1.0
+
+
+def test_a_lease_lost_in_a_batch_reaches_only_its_task(
+    service: ServiceProcess, db: Db, counting: list[CountingClient]
+) -> None:
+    """Three tasks beaten and completed in shared batches; another claimer takes the middle
+    one. Its heartbeat is refused LEASE_LOST inside a HeartbeatTasks that the other two pass:
+    only its ctx.lease_lost is set, its result is dropped, and the other two complete."""
+    name = tool_name()
+    fleet = new_fleet(service, heartbeat_interval=0.3, report_delay=0.1)
+    started: dict[int, TaskContext] = {}
+    release = threading.Event()
+    lost: dict[int, bool] = {}
+
+    @fleet.tool(name, concurrency=3)
+    async def handler(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
+        n = int(ctx.input["n"])
+        started[n] = ctx
+        assert await asyncio.to_thread(release.wait, 20)
+        lost[n] = ctx.is_lease_lost
+        return {"n": n}
+
+    tool_id = service.stub.UpsertTool(task_pb2.UpsertToolRequest(name=name)).tool.id
+    tasks = [queue(service.stub, tool_id, input={"n": n}) for n in range(3)]
+    with running(fleet):
+        wait_for(lambda: len(started) == 3, what="the three handlers to start")
+        db.execute(
+            "UPDATE generation.tasks SET lease_token = gen_random_uuid() WHERE id = %s", [tasks[1]]
+        )
+        wait_for(lambda: started[1].is_lease_lost, what="the stolen task to see its lease lost")
+        time.sleep(0.4)  # another beat of the other two, in a batch without the stolen one
+        assert [started[n].is_lease_lost for n in range(3)] == [False, True, False]
+        release.set()
+        wait_for(lambda: terminal(db, tasks[0], tasks[2]), what="the other two to complete")
+        wait_for(lambda: fleet.in_flight[name] == 0, what="the fleet to let the tasks go")
+    [client] = counting
+    assert lost == {0: False, 1: True, 2: False}
+    completed_once(db, [tasks[0], tasks[2]])
+    stolen = row(db, tasks[1])
+    assert (stolen["status"], stolen["output"]) == ("processing", None)
+    assert ("HeartbeatTasks", 3) in client.calls, client.calls
+    assert ("CompleteTasks", 2) in client.calls, client.calls
+
+
+def test_a_lease_lost_in_a_completion_batch_drops_only_that_result(
+    service: ServiceProcess,
+    db: Db,
+    counting: list[CountingClient],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The steal goes unnoticed until the three completions leave together in one
+    CompleteTasks: the stolen task's item is refused LEASE_LOST (its result dropped, logged as a
+    refused CompleteTask would be), the other two complete."""
+    name = tool_name()
+    fleet = new_fleet(service, report_delay=0.2)
+    started: set[int] = set()
+    release = threading.Event()
+
+    @fleet.tool(name, concurrency=3)
+    async def handler(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
+        started.add(int(ctx.input["n"]))
+        assert await asyncio.to_thread(release.wait, 20)
+        return {"n": ctx.input["n"]}
+
+    tool_id = service.stub.UpsertTool(task_pb2.UpsertToolRequest(name=name)).tool.id
+    tasks = [queue(service.stub, tool_id, input={"n": n}) for n in range(3)]
+    caplog.set_level(logging.INFO, logger="workers_sdk.fleet")
+    with running(fleet):
+        wait_for(lambda: len(started) == 3, what="the three handlers to start")
+        db.execute(
+            "UPDATE generation.tasks SET lease_token = gen_random_uuid() WHERE id = %s", [tasks[1]]
+        )
+        release.set()
+        wait_for(lambda: terminal(db, tasks[0], tasks[2]), what="the other two to complete")
+        wait_for(lambda: fleet.in_flight[name] == 0, what="the fleet to let the tasks go")
+    [client] = counting
+    assert ("CompleteTasks", 3) in client.calls, client.calls
+    completed_once(db, [tasks[0], tasks[2]])
+    assert row(db, tasks[1])["status"] == "processing"
+    messages = [r.getMessage() for r in caplog.records if r.name == "workers_sdk.fleet"]
+    refused = [m for m in messages if "refused (LEASE_LOST)" in m]
+    assert refused == [f"task {tasks[1]}: CompleteTask refused (LEASE_LOST); result dropped"]
+
+
+def test_an_output_refused_in_a_batch_fails_only_its_task(
+    service: ServiceProcess, db: Db, counting: list[CountingClient]
+) -> None:
+    """A batch the service refuses as a whole (one output over its size limit) is sent again
+    item by item: the oversized one fails, the other completes."""
+    name = tool_name()
+    fleet = new_fleet(service, report_delay=0.2)
+    both = threading.Barrier(2)
+
+    @fleet.tool(name, concurrency=2)
+    async def handler(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
+        n = int(ctx.input["n"])
+        await asyncio.to_thread(both.wait, 20)
+        return {"blob": "x" * 1_100_000} if n == 0 else {"n": n}
+
+    tool_id = service.stub.UpsertTool(task_pb2.UpsertToolRequest(name=name)).tool.id
+    big, small = (queue(service.stub, tool_id, input={"n": n}) for n in range(2))
+    with running(fleet):
+        wait_for(lambda: terminal(db, big, small), what="both tasks to end")
+    [client] = counting
+    assert ("CompleteTasks", 2) in client.calls, client.calls
+    assert client.count("CompleteTask") == 2  # then one by one
+    completed_once(db, [small])
+    failed = row(db, big)
+    assert (failed["status"], failed["retry_count"]) == ("failed", 0)
+    assert failed["error"].startswith("CompleteTask refused the result:")
+
+
+class FakeFleet:
+    """What a _Batcher reads of its fleet."""
+
+    def __init__(self, client: Any, report_delay: float) -> None:
+        self.client = client
+        self.report_delay = report_delay
+
+
+class BatchClient:
+    """Answers HeartbeatTasks (refusing the ids in `refuse`) and records each call's time."""
+
+    def __init__(self, refuse: frozenset[str] = frozenset()) -> None:
+        self.timeout = 10.0
+        self.refuse = refuse
+        self.calls: list[tuple[str, int, float]] = []
+
+    async def call(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
+        items = list(request.tasks) if method.endswith("Tasks") else [request]
+        self.calls.append((method, len(items), time.monotonic()))
+        beats = [
+            task_pb2.HeartbeatResult(task_id=item.task_id, refused="LEASE_LOST")
+            if item.task_id in self.refuse
+            else task_pb2.HeartbeatResult(
+                task_id=item.task_id, heartbeat=task_pb2.HeartbeatTaskResponse(lease=lease(30))
+            )
+            for item in items
+        ]
+        if method == "HeartbeatTask":
+            if beats[0].refused:
+                raise LeaseLost(grpc.StatusCode.ABORTED, "lease lost", Reason.LEASE_LOST)
+            return beats[0].heartbeat
+        return task_pb2.HeartbeatTasksResponse(results=beats)
+
+
+def beat_request(n: int) -> task_pb2.HeartbeatTaskRequest:
+    return task_pb2.HeartbeatTaskRequest(task_id=f"task-{n}", lease_token=f"token-{n}")
+
+
+def test_a_full_batch_leaves_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a report_delay of 10 s, a batch that fills (5 items here) leaves at once; the rest
+    waits for the delay, or for more. Each item gets its own answer."""
+    monkeypatch.setattr(fleet_module, "MAX_REPORT_BATCH", 5)
+    client = BatchClient(refuse=frozenset({"task-3"}))
+    batcher = fleet_module._Batcher(
+        cast(Any, FakeFleet(client, 10.0)), "HeartbeatTask", lambda r: r.heartbeat
+    )
+
+    async def main() -> list[Any]:
+        started = time.monotonic()
+        calls = [asyncio.ensure_future(batcher.call(beat_request(n))) for n in range(7)]
+        first = await asyncio.wait_for(asyncio.gather(*calls[:5], return_exceptions=True), 2)
+        assert time.monotonic() - started < 1.0
+        assert [(method, items) for method, items, _ in client.calls] == [("HeartbeatTasks", 5)]
+        assert not calls[5].done()
+        batcher.flush()
+        rest = await asyncio.wait_for(asyncio.gather(*calls[5:]), 2)
+        return [*first, *rest]
+
+    answers = asyncio.run(main())
+    assert [(method, items) for method, items, _ in client.calls] == [
+        ("HeartbeatTasks", 5),
+        ("HeartbeatTasks", 2),
+    ]
+    assert isinstance(answers[3], LeaseLost)
+    assert all(
+        isinstance(a, task_pb2.HeartbeatTaskResponse) and a.lease.seconds == 30
+        for n, a in enumerate(answers)
+        if n != 3
+    )
+
+
+def test_a_batch_is_held_at_most_report_delay() -> None:
+    """Calls made over a few milliseconds share one batch, sent report_delay after the first;
+    a lone call is sent alone (the single RPC) after the same bound."""
+    client = BatchClient()
+    delay = 0.05
+    batcher = fleet_module._Batcher(
+        cast(Any, FakeFleet(client, delay)), "HeartbeatTask", lambda r: r.heartbeat
+    )
+
+    async def main() -> tuple[float, float]:
+        first = time.monotonic()
+        calls = []
+        for n in range(3):
+            calls.append(asyncio.ensure_future(batcher.call(beat_request(n))))
+            await asyncio.sleep(0.01)
+        await asyncio.wait_for(asyncio.gather(*calls), 2)
+        alone = time.monotonic()
+        await asyncio.wait_for(batcher.call(beat_request(9)), 2)
+        return first, alone
+
+    first, alone = asyncio.run(main())
+    (batch, items, sent), (single, one, sent_alone) = client.calls
+    assert (batch, items, single, one) == ("HeartbeatTasks", 3, "HeartbeatTask", 1)
+    assert delay <= sent - first < delay + 0.1
+    assert delay <= sent_alone - alone < delay + 0.1
+
+
+class OldServiceClient(ScriptedClient):
+    """A service without the batch RPCs (UNIMPLEMENTED), with three claimable tasks."""
+
+    def __init__(self) -> None:
+        super().__init__(ok())
+        self.queued = [f"task-{n}" for n in range(3)]
+
+    async def call(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
+        if method in {"ClaimTasks", "HeartbeatTasks", "CompleteTasks", "FailTasks"}:
+            self.log.append(method)
+            raise GenqError(grpc.StatusCode.UNIMPLEMENTED, "unknown method", None)
+        if method == "ClaimNextTask" and self.queued:
+            self.log.append(method)
+            task_id = self.queued.pop(0)
+            return task_pb2.ClaimNextTaskResponse(
+                task=task_pb2.Task(id=task_id), lease_token=f"token-{task_id}", lease=lease(30)
+            )
+        self.claimed = True
+        return await super().call(method, request, timeout=timeout)
+
+
+def test_scripted_an_older_service_gets_the_single_rpcs() -> None:
+    client = OldServiceClient()
+    fleet = WorkerFleet(cast(GenqClient, client), poll_interval=0.05, drain_timeout=1)
+    gate = asyncio.Event()
+    ran: list[str] = []
+
+    async def handler(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
+        ran.append(task.id)
+        if len(ran) == 3:
+            gate.set()
+        await asyncio.wait_for(gate.wait(), 5)  # all three report together
+        return {}
+
+    fleet.register("old", handler, concurrency=3)
+
+    async def main() -> None:
+        work = asyncio.create_task(fleet.run(handle_signals=False))
+        await asyncio.wait_for(gate.wait(), 5)
+        deadline = time.monotonic() + 5
+        while client.log.count("CompleteTask") < 3:
+            assert time.monotonic() < deadline, client.log
+            await asyncio.sleep(0.01)
+        fleet.stop()
+        await asyncio.wait_for(work, 10)
+
+    asyncio.run(main())
+    assert sorted(ran) == ["task-0", "task-1", "task-2"]
+    log = [entry for entry in client.log if entry != "ClaimNextTask"]
+    assert log.count("ClaimTasks") == 1, "asked once, then never again"
+    assert log.count("HeartbeatTask") == 3 and log.count("CompleteTask") == 3
+    assert log.count("CompleteTasks") <= 1 and log.count("HeartbeatTasks") <= 1
+
+
+class BatchScriptedClient(ScriptedClient):
+    """A service with the batch RPCs: one ClaimTasks brings `tasks` tasks, every beat passes,
+    and `complete` answers the n-th CompleteTasks (from 1); `batches` logs (method, items)."""
+
+    def __init__(self, tasks: int, complete: Callable[[int, Any], Any]) -> None:
+        super().__init__(ok())
+        self.queued = [f"task-{n}" for n in range(tasks)]
+        self.complete = complete
+        self.batches: list[tuple[str, int]] = []
+
+    async def call(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
+        if method == "ClaimTasks":
+            self.log.append(method)
+            if not self.queued:
+                await asyncio.sleep(0.02)
+                return task_pb2.ClaimTasksResponse(idle_reason=task_pb2.IDLE_REASON_EMPTY)
+            claimed, self.queued = self.queued[: request.limit], self.queued[request.limit :]
+            return task_pb2.ClaimTasksResponse(
+                tasks=[
+                    task_pb2.ClaimedTask(task=task_pb2.Task(id=t), lease_token=f"token-{t}")
+                    for t in claimed
+                ],
+                lease=lease(30),
+            )
+        if method in {"HeartbeatTasks", "CompleteTasks"}:
+            self.log.append(method)
+            self.batches.append((method, len(request.tasks)))
+            if method == "HeartbeatTasks":
+                return task_pb2.HeartbeatTasksResponse(
+                    results=[
+                        task_pb2.HeartbeatResult(task_id=item.task_id, heartbeat=ok()(0))
+                        for item in request.tasks
+                    ]
+                )
+            return self.complete(self.batches.count(("CompleteTasks", len(request.tasks))), request)
+        return await super().call(method, request, timeout=timeout)
+
+
+def test_scripted_a_batch_that_fails_unavailable_is_retried_together() -> None:
+    """The first CompleteTasks of three answers UNAVAILABLE: each report is retried after its
+    pause, and the three retries leave together again."""
+
+    def complete(n: int, request: Any) -> Any:
+        if n == 1:
+            raise unavailable()
+        return task_pb2.CompleteTasksResponse(
+            results=[
+                task_pb2.ReportResult(
+                    task_id=item.task_id,
+                    task=task_pb2.Task(id=item.task_id, status=task_pb2.TASK_STATUS_COMPLETED),
+                )
+                for item in request.tasks
+            ]
+        )
+
+    client = BatchScriptedClient(3, complete)
+    fleet = WorkerFleet(cast(GenqClient, client), poll_interval=0.05, drain_timeout=1)
+
+    async def handler(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
+        return {"id": task.id}
+
+    fleet.register("batched", handler, concurrency=3)
+
+    async def main() -> None:
+        work = asyncio.create_task(fleet.run(handle_signals=False))
+        deadline = time.monotonic() + 5
+        while client.batches.count(("CompleteTasks", 3)) < 2:
+            assert time.monotonic() < deadline, client.batches
+            await asyncio.sleep(0.01)
+        fleet.stop()
+        await asyncio.wait_for(work, 10)
+
+    asyncio.run(main())
+    assert client.batches == [("HeartbeatTasks", 3), ("CompleteTasks", 3), ("CompleteTasks", 3)]
+    assert [entry for entry in client.log if entry != "ClaimTasks"] == [
+        "UpsertTool",
+        "HeartbeatTasks",
+        "CompleteTasks",
+        "CompleteTasks",
+    ]
+
+
+def test_a_claim_of_large_inputs_is_taken_whole(
+    service: ServiceProcess, db: Db, counting: list[CountingClient]
+) -> None:
+    """Eight tasks of 700 KB each: their ClaimTasks answer (5.6 MB) is over gRPC's default 4 MiB
+    receive limit, which the SDK's channel lifts; the reports are cut to stay under it."""
+    name = tool_name()
+    tool_id = service.stub.UpsertTool(task_pb2.UpsertToolRequest(name=name)).tool.id
+    blob = "x" * 700_000
+    tasks = [queue(service.stub, tool_id, input={"blob": blob, "n": n}) for n in range(8)]
+    fleet = new_fleet(service)
+
+    @fleet.tool(name, concurrency=8)
+    async def handler(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
+        return {"n": ctx.input["n"], "size": len(ctx.input["blob"])}
+
+    with running(fleet):
+        wait_for(lambda: terminal(db, *tasks), what="the large tasks to complete")
+    [client] = counting
+    completed_once(db, tasks)
+    assert client.claimed[0] == 8, client.calls
+    assert row(db, tasks[7])["output"] == {"n": 7, "size": 700_000}
+    # Each answer holds its 700 KB task: at most two to a batch under the 2 MiB bound.
+    reports = [items for method, items in client.calls if method.startswith("CompleteTask")]
+    assert sum(reports) == 8 and max(reports) <= 2, reports

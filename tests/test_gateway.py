@@ -24,7 +24,7 @@ from generation.task.v1 import task_pb2
 from tests.conftest import ServiceProcess
 from workers_sdk.client import GenqClient
 from workers_sdk.errors import GenqError, Reason
-from workers_sdk.gateway import GatewayClient
+from workers_sdk.gateway import Enqueued, GatewayClient, NewTask
 
 Db = psycopg.Connection[dict[str, Any]]
 EVENT_TIMEOUT = 10.0
@@ -179,6 +179,94 @@ def test_enqueue_stores_its_options_and_unset_ones_take_the_defaults(
     assert stored["status"] == "queued"
     stored = row(db, plain.id)
     assert (stored["priority"], stored["max_retries"], stored["reserved_token_amount"]) == (0, 3, 0)
+
+
+def test_enqueue_many_splits_into_calls_of_a_thousand_and_keeps_the_order(
+    service: ServiceProcess, db: Db, tool_id: str
+) -> None:
+    """2,500 items: three QueueTasks (1,000, 1,000, 500), the tasks back in item order, stored
+    with their options; items whose idempotency key is used already are skipped and counted;
+    every task stores the traceparent of the one enqueue_many span."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    keys = [f"many-{uuid.uuid4()}" for _ in range(3)]
+    items: list[dict[str, Any] | NewTask] = [{"n": n} for n in range(2_500)]
+    items[10] = NewTask({"n": 10}, priority=5, max_retries=1, idempotency_key=keys[0])
+    items[1_500] = NewTask({"n": 1_500}, reserved_token_amount=0, idempotency_key=keys[1])
+    items[2_499] = NewTask({"n": 2_499}, idempotency_key=keys[2])
+
+    async def scenario(gateway: GatewayClient, client: GenqClient) -> tuple[Enqueued, ...]:
+        calls: list[int] = []
+        call = client.call
+
+        async def counted(method: str, request: Any, **options: Any) -> Any:
+            calls.append(len(request.tasks))
+            return await call(method, request, **options)
+
+        client.call = counted  # type: ignore[method-assign]
+        first = await gateway.enqueue_many(tool_id, items, reserved_token_amount=3)
+        assert calls == [1_000, 1_000, 500]
+        # The same keys again, among new items: those three are skipped, the rest queued.
+        again = await gateway.enqueue_many(
+            tool_id, [items[10], {"n": "new"}, items[2_499]], concurrency=2
+        )
+        return first, again
+
+    first, again = run_with_gateway(service, scenario, tracer_provider=provider)
+    assert first.skipped == 0 and len(first.tasks) == 2_500
+    assert [task.input["n"] for task in first.tasks] == list(range(2_500))
+    assert len({task.id for task in first.tasks}) == 2_500
+    assert (again.skipped, [dict(task.input) for task in again.tasks]) == (2, [{"n": "new"}])
+
+    stored = {
+        r["id"]: r
+        for r in db.execute(
+            "SELECT id::text AS id, input, priority, max_retries, reserved_token_amount, "
+            "idempotency_key, billing_idempotency_key, w3c_traceparent "
+            "FROM generation.tasks WHERE tool_id = %s",
+            [tool_id],
+        ).fetchall()
+    }
+    assert len(stored) == 2_501
+    special = first.tasks[10]
+    assert (stored[special.id]["priority"], stored[special.id]["max_retries"]) == (5, 1)
+    assert stored[special.id]["billing_idempotency_key"] == keys[0]
+    assert stored[special.id]["reserved_token_amount"] == 3, "a None field takes the call's"
+    assert stored[first.tasks[1_500].id]["reserved_token_amount"] == 0, "its own 0 wins"
+    plain = stored[first.tasks[0].id]
+    assert (plain["priority"], plain["max_retries"], plain["reserved_token_amount"]) == (0, 3, 3)
+    assert plain["idempotency_key"] is None or plain["idempotency_key"] == ""
+    [span, _] = [s for s in exporter.get_finished_spans() if s.name == f"enqueue_many {tool_id}"]
+    assert span.context is not None and span.attributes is not None
+    assert span.attributes["genq.count"] == 2_500
+    parents = {stored[t.id]["w3c_traceparent"].rsplit("-", 1)[0] for t in first.tasks}
+    assert parents == {f"00-{span.context.trace_id:032x}-{span.context.span_id:016x}"}
+
+
+def test_enqueue_many_keeps_each_call_under_the_message_limit(
+    service: ServiceProcess, tool_id: str
+) -> None:
+    """Seven 600 KB inputs would make one 4.2 MB QueueTasks, over the service's 4 MiB limit: they
+    go in calls of at most 2 MiB (three, three and one), all queued in order."""
+    blob = "x" * 600_000
+
+    async def scenario(gateway: GatewayClient, client: GenqClient) -> tuple[Enqueued, list[int]]:
+        calls: list[int] = []
+        call = client.call
+
+        async def counted(method: str, request: Any, **options: Any) -> Any:
+            calls.append(len(request.tasks))
+            return await call(method, request, **options)
+
+        client.call = counted  # type: ignore[method-assign]
+        items = [{"blob": blob, "n": n} for n in range(7)]
+        return await gateway.enqueue_many(tool_id, items), calls
+
+    queued, calls = run_with_gateway(service, scenario)
+    assert calls == [3, 3, 1]
+    assert [task.input["n"] for task in queued.tasks] == list(range(7))
+    assert queued.skipped == 0
 
 
 def test_enqueue_to_an_unknown_tool_is_not_found(service: ServiceProcess) -> None:

@@ -204,6 +204,9 @@ def test_stopped_worker_completion_is_refused_after_another_completed(
     a = start_worker("A", GENQ_HEARTBEAT_INTERVAL="30")
     task_id = queue(short_leases.stub, tool[1], input={"seconds": 0.8})
     wait_for(lambda: starts(sdb, task_id) == ["A"], timeout=20, what="worker A to start")
+    # Stopped only once its handler sleeps: stopped while the publish's answer is on its way,
+    # the handler would start its 0.8 s only after SIGCONT, and the overdue beat hear first.
+    a.expect_in_log(f"task {task_id}: sleeping")
     a.send(signal.SIGSTOP)
     start_worker("B")
     wait_for(status_is(sdb, task_id, "completed"), timeout=20, what="B to complete the task")

@@ -7,7 +7,7 @@ credentials (`tests/test_sdk_import.py` checks it).
 from workers_sdk.client import GenqClient, current_traceparent, trace_metadata
 from workers_sdk.errors import GenqError, LeaseLost, Reason
 from workers_sdk.fleet import Handler, TaskContext, WorkerFleet
-from workers_sdk.gateway import GatewayClient
+from workers_sdk.gateway import Enqueued, GatewayClient, NewTask
 from workers_sdk.outcomes import (
     AccountError,
     CancelledError,
@@ -20,11 +20,13 @@ from workers_sdk.reconciler import Reconciler
 __all__ = [
     "AccountError",
     "CancelledError",
+    "Enqueued",
     "GatewayClient",
     "GenqClient",
     "GenqError",
     "Handler",
     "LeaseLost",
+    "NewTask",
     "PermanentError",
     "Reason",
     "Reconciler",

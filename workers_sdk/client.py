@@ -2,7 +2,9 @@
 
 It adds to the generated stub: typed errors (`GenqError`, `LeaseLost`) instead of raw RpcErrors,
 a default deadline on every call, and the caller's current trace context as a `traceparent`
-header, so the service's spans join the caller's trace.
+header, so the service's spans join the caller's trace. Answers of any size are taken (gRPC's
+default refuses any over 4 MiB): a ClaimTasks of 100 tasks with large inputs is bigger, and the
+service sizes what it sends, not the client.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from generation.task.v1 import task_pb2_grpc
 from workers_sdk.errors import from_rpc_error
 
 DEFAULT_TARGET = "localhost:50051"
+CHANNEL_OPTIONS = (("grpc.max_receive_message_length", -1),)
+"""No limit on an answer's size: the service bounds it (at most 100 claimed tasks, each input
+within GENQ_MAX_INPUT_BYTES), and an answer refused here would be lost after it committed."""
 
 
 class GenqClient:
@@ -26,7 +31,7 @@ class GenqClient:
     def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float = 10.0) -> None:
         self.target = target
         self.timeout = timeout
-        self.channel = grpc.aio.insecure_channel(target)
+        self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
         self.stub = task_pb2_grpc.GenerationDataServiceStub(self.channel)
 
     async def call(self, method: str, request: Message, *, timeout: float | None = None) -> Any:

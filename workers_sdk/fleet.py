@@ -12,12 +12,34 @@
 
 The poll loop (one per tool, spec A "Fast pickup"; GUIDE A9). The spec's fleet parks on a Redis
 wake event with a jittered `poll_interval` fallback. A remote worker has no Redis: the service
-does the waiting. Each sweep is one ClaimNextTask with `wait` = jittered `poll_interval`: when a
-task is ready it answers at once (so the loop drains fast while it keeps claiming), and when
-none is, it parks in the service, which answers the moment a task for the tool is committed,
-or empty when the wait runs out (the polling floor). At concurrency capacity the loop backs off
-0.25 s (sooner if a slot frees). The fleet's own wake event says "a slot freed or stop was
-requested"; it is cleared before each sweep, so one set during the sweep is not lost.
+does the waiting. Each sweep is one ClaimTasks for as many tasks as the tool's lane has free
+slots (`concurrency` minus the handlers running or about to run, at most 100, the service's
+limit) with `wait` = jittered `poll_interval`: when tasks are ready it answers at once with up to
+that many (so the loop drains fast while it keeps claiming), and when none is, it parks in the
+service, which answers the moment a task for the tool is committed, or empty when the wait runs
+out (the polling floor). A slot is taken from the claim until the task's handler returns (the
+report that follows no longer holds it, so the next claim overlaps the last batch's reports). At
+concurrency capacity the loop backs off 0.25 s (sooner if a slot frees). The fleet's own wake
+event says "a slot freed or stop was requested"; it is cleared before each sweep, so one set
+during the sweep is not lost. A sweep for one slot is a ClaimNextTask (the same statement with a
+limit of 1), and so is every sweep against an older service without ClaimTasks (UNIMPLEMENTED).
+
+Batching. Each claimed task is worked on its own (below), but what the fleet sends about it is
+coalesced: the confirmations, heartbeats and CompleteTask/FailTask reports of every task in
+flight, of every tool, go out as HeartbeatTasks, CompleteTasks and FailTasks carrying whatever
+is ready, and each item's answer goes back to its own task (a `refused` LEASE_LOST or
+TASK_NOT_FOUND is that task's lost lease, exactly as the single RPC's error would be). A call
+waits at most `report_delay` (5 ms) for others to join it, and leaves at once when its batch is
+full (1,000 items, or about 2 MiB of request and answer). The confirmations of one claim leave
+together as soon as the last is ready, without that wait: a claimed task never waits for company
+before its handler starts. A batch that fails UNAVAILABLE fails each of its items, and each
+report is retried as before (so the retries batch again): that is safe, since the service
+answers a report repeated under the same lease the same. A batch the service refuses as a whole
+(INVALID_ARGUMENT or RESOURCE_EXHAUSTED: one item's output too large, say) is sent again item by
+item, so that each report hears its own answer; so is every batch against an older service
+(UNIMPLEMENTED). A batch of one is the single RPC (HeartbeatTask, CompleteTask, FailTask), which
+carries its task's trace context; a larger batch belongs to no one task's trace and is sent
+outside any. ReleaseTask (drain) and PublishTaskEvent stay single.
 
 Leases. A claim answers the lease's length (`lease`: the tool's `lease_seconds`, else the
 service's GENQ_LEASE_SECONDS, never under 10 s), and so does every heartbeat. A background task
@@ -33,14 +55,14 @@ Confirmation. The service counts a claim as a run only once its worker confirms 
 heartbeat, event or report under the lease): a lease that lapses unconfirmed means the claim's
 answer never reached a worker (a deadline, a dropped connection) and costs the task no retry,
 while a confirmed run that ends without success (the worker crashed, the lease lapsed) costs
-one. So right after a claim arrives, before the handler starts, the fleet sends one
-HeartbeatTask. OK: the handler runs. LEASE_LOST or NOT_FOUND: the task is not this worker's (or
-gone); it does not run. UNAVAILABLE or a deadline: tried again a couple of times within the
-first two thirds of the lease (a heartbeat is idempotent); still nothing, and it does not run:
-the lease lapses unconfirmed, costing nothing. One beat per claim is the whole price, and it is
-what lets the service tell the two apart: a poison task that crashes its worker mid-handler was
-confirmed each time, so `max_retries` bounds its runs, and a claim answer lost on the way is
-never charged as a run.
+one. So right after a claim arrives, before the handler starts, the fleet sends one heartbeat
+per task (one HeartbeatTasks for the claim's whole batch). OK: the handler runs. LEASE_LOST or
+NOT_FOUND: the task is not this worker's (or gone); it does not run. UNAVAILABLE or a deadline:
+tried again a couple of times within the first two thirds of the lease (a heartbeat is
+idempotent); still nothing, and it does not run: the lease lapses unconfirmed, costing nothing.
+One beat per claim is the whole price, and it is what lets the service tell the two apart: a
+poison task that crashes its worker mid-handler was confirmed each time, so `max_retries` bounds
+its runs, and a claim answer lost on the way is never charged as a run.
 
 Cancel. Cancelling a running task asks its worker to stop: the next heartbeat answers
 `cancel_requested`. The fleet then sets `ctx.cancel_requested` and cancels an async handler's
@@ -123,6 +145,23 @@ CONFIRM_RETRY_SECONDS = 0.5
 
 CONFIRM_RETRIED_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 """A confirmation answered so may not have reached the service: try again (a beat is idempotent)."""
+
+DEFAULT_REPORT_DELAY = 0.005
+"""The longest a heartbeat or report waits for others to share its batch (`report_delay`)."""
+
+MAX_CLAIM_BATCH = 100
+"""Most tasks one ClaimTasks takes (the service's limit)."""
+
+MAX_REPORT_BATCH = 1_000
+"""Most items in one HeartbeatTasks, CompleteTasks or FailTasks (the service's limit)."""
+
+MAX_BATCH_BYTES = 2 * 1024 * 1024
+"""Most bytes of requests plus expected answers (each report's answer holds its task) in one
+batch: well under gRPC's 4 MiB default limit on a received message, at either end."""
+
+SPLIT_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED})
+"""A batch refused as a whole with one of these is sent again item by item: each item then
+hears its own answer (the item at fault its own refusal)."""
 
 
 class TaskContext:
@@ -255,6 +294,9 @@ class _Lane:
     runs_in_thread: bool
     tool_id: str = ""
     runs: set[_Run] = field(default_factory=set)
+    """Its claimed tasks not yet let go (confirming, running or reporting)."""
+    busy: int = 0
+    """Slots taken: runs claimed whose handler has not returned yet (what the next claim fills)."""
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     """Set when a slot frees or stop is requested; the poll loop clears it before each sweep."""
 
@@ -274,6 +316,143 @@ class _Run:
     """The asyncio task working it (`WorkerFleet._execute`)."""
     handler: asyncio.Task[Output] | None = None
     """The asyncio task running the handler, once the claim is confirmed."""
+    holds_slot: bool = True
+    """Whether it still counts in its lane's `busy` (until its handler is done)."""
+
+
+@dataclass(eq=False)
+class _Item:
+    """One call waiting in a `_Batcher`."""
+
+    request: Message
+    future: asyncio.Future[Any]
+    deadline: float
+    """Loop time by which its answer is due (the call's timeout, from when it was made)."""
+    context: otel_context.Context
+    """The caller's trace context, carried when the item is sent on its own."""
+
+
+class _Batcher:
+    """Coalesces the calls of one per-task RPC (HeartbeatTask, CompleteTask or FailTask) into its
+    batch RPC (HeartbeatTasks, ...); see "Batching" in the module docstring.
+
+    `call` is a drop-in for `client.call(single, request)`: it answers with the single RPC's
+    fields (a HeartbeatTaskResponse; for a report, a message whose `task` is the task after it)
+    or raises the GenqError the single RPC would have (LeaseLost for an item refused LEASE_LOST).
+    """
+
+    def __init__(self, fleet: WorkerFleet, single: str, answer: Callable[[Any], Message]) -> None:
+        self._fleet = fleet
+        self.single = single
+        self.batch = f"{single}s"
+        self._batch_request: Callable[..., Message] = getattr(task_pb2, f"{self.batch}Request")
+        self._answer = answer
+        self.batches = True
+        """False once the service answered the batch RPC UNIMPLEMENTED: every call goes single."""
+        self._pending: list[_Item] = []
+        self._bytes = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._sending: set[asyncio.Task[None]] = set()
+
+    async def call(
+        self, request: Message, *, timeout: float | None = None, answer_bytes: int = 0
+    ) -> Any:
+        """Sends `request` in the next batch and returns its own answer; `answer_bytes` is what
+        its answer is expected to weigh (for the batch's byte bound)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (timeout or self._fleet.client.timeout)
+        item = _Item(request, loop.create_future(), deadline, otel_context.get_current())
+        size = request.ByteSize() + answer_bytes
+        if self._pending and self._bytes + size > MAX_BATCH_BYTES:
+            self.flush()
+        self._pending.append(item)
+        self._bytes += size
+        if len(self._pending) >= MAX_REPORT_BATCH or self._bytes >= MAX_BATCH_BYTES:
+            self.flush()
+        elif self._timer is None:
+            self._timer = loop.call_later(self._fleet.report_delay, self.flush)
+        return await item.future
+
+    def flush(self) -> None:
+        """Sends what is waiting now."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        items, self._pending, self._bytes = self._pending, [], 0
+        if items:
+            sending = asyncio.get_running_loop().create_task(self._send(items))
+            self._sending.add(sending)
+            sending.add_done_callback(self._sending.discard)
+
+    def close(self) -> None:
+        """Stops the timer and any send in flight (the fleet is gone: nobody awaits them)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for sending in self._sending:
+            sending.cancel()
+
+    async def _send(self, items: list[_Item]) -> None:
+        items = [item for item in items if not item.future.done()]  # a beat given up meanwhile
+        if len(items) > 1 and self.batches:
+            try:
+                await self._send_batch(items)
+                return
+            except GenqError as error:
+                if error.code == grpc.StatusCode.UNIMPLEMENTED:
+                    log.info(
+                        "the service has no %s; sending %s one by one", self.batch, self.single
+                    )
+                    self.batches = False
+                elif error.code in SPLIT_CODES:
+                    log.info("%s refused (%s); sending its items one by one", self.batch, error)
+                else:
+                    for item in items:
+                        _resolve(item.future, error=error)
+                    return
+            except Exception as error:
+                for item in items:
+                    _resolve(item.future, error=error)
+                return
+        await asyncio.gather(*(self._send_one(item) for item in items))
+
+    async def _send_batch(self, items: list[_Item]) -> None:
+        loop = asyncio.get_running_loop()
+        request = self._batch_request(tasks=[item.request for item in items])
+        timeout = max(0.001, min(item.deadline for item in items) - loop.time())
+        # A batch belongs to no one task's trace: sent outside any (the flush runs in the
+        # context of whichever call started the batch).
+        token = otel_context.attach(otel_context.Context())
+        try:
+            response = await self._fleet.client.call(self.batch, request, timeout=timeout)
+        finally:
+            otel_context.detach(token)
+        results = response.results
+        if len(results) != len(items):
+            raise GenqError(
+                grpc.StatusCode.INTERNAL,
+                f"{self.batch} answered {len(results)} results for {len(items)} items",
+                None,
+            )
+        for item, result in zip(items, results, strict=True):
+            if result.refused:
+                _resolve(item.future, error=_refusal(self.single, result.refused))
+            else:
+                _resolve(item.future, value=self._answer(result))
+
+    async def _send_one(self, item: _Item) -> None:
+        if item.future.done():
+            return
+        remaining = max(0.001, item.deadline - asyncio.get_running_loop().time())
+        token = otel_context.attach(item.context)
+        try:
+            response = await self._fleet.client.call(self.single, item.request, timeout=remaining)
+        except Exception as error:
+            _resolve(item.future, error=error)
+        else:
+            _resolve(item.future, value=response)
+        finally:
+            otel_context.detach(token)
 
 
 class WorkerFleet:
@@ -287,15 +466,20 @@ class WorkerFleet:
       lease / 3), from the lease the claim and then each heartbeat answered (the service's
       GENQ_LEASE_SECONDS, 120, or the tool's `lease_seconds`, at least 10).
     - `drain_timeout` (30 s): on stop, how long tasks in flight get to finish.
+    - `report_delay` (5 ms): the longest a heartbeat or a report (CompleteTask, FailTask) waits
+      for others to share its batch RPC; a full batch leaves at once. 0 batches only what is
+      ready at the same moment.
     - `retry_unknown_errors` (False): whether a handler's unexpected exception requeues the task
       (uses an attempt) instead of failing it at once. Either way only the class name is stored.
     - `tracer_provider`: where the claim/process/complete spans go; None means OpenTelemetry's
       global provider (a no-op until the application installs an SDK).
 
-    Before a claimed task's handler starts, one HeartbeatTask confirms the claim (a run counts
-    only once confirmed); a claim that cannot be confirmed is not run. A heartbeat answering
-    `cancel_requested` sets `ctx.cancel_requested`, cancels the handler and reports the cancel
-    with the run's cost. See the module docstring for why.
+    One ClaimTasks claims as many tasks as a lane has free slots, and what the fleet sends about
+    its tasks is batched (module docstring, "Batching"). Before a claimed task's handler starts,
+    one heartbeat confirms the claim (a run counts only once confirmed); a claim that cannot be
+    confirmed is not run. A heartbeat answering `cancel_requested` sets `ctx.cancel_requested`,
+    cancels the handler and reports the cancel with the run's cost. See the module docstring
+    for why.
     """
 
     def __init__(
@@ -305,6 +489,7 @@ class WorkerFleet:
         poll_interval: float = 2.0,
         heartbeat_interval: float = 60.0,
         drain_timeout: float = 30.0,
+        report_delay: float = DEFAULT_REPORT_DELAY,
         retry_unknown_errors: bool = False,
         tracer_provider: trace.TracerProvider | None = None,
     ) -> None:
@@ -314,6 +499,8 @@ class WorkerFleet:
             raise ValueError("heartbeat_interval must be positive")
         if drain_timeout < 0:
             raise ValueError("drain_timeout must not be negative")
+        if not 0 <= report_delay <= 1:
+            raise ValueError("report_delay must be between 0 and 1 s")
         # Given a target, the fleet makes its own client inside run(): a grpc.aio channel
         # belongs to the event loop it is created in.
         self._target = client if isinstance(client, str) else client.target
@@ -322,7 +509,16 @@ class WorkerFleet:
         self.poll_interval = poll_interval
         self.heartbeat_interval = heartbeat_interval
         self.drain_timeout = drain_timeout
+        self.report_delay = report_delay
         self.retry_unknown_errors = retry_unknown_errors
+        self._beats = _Batcher(self, "HeartbeatTask", lambda result: result.heartbeat)
+        # A ReportResult has the single answer's one field, `task`.
+        self._reports = {
+            method: _Batcher(self, method, lambda result: result)
+            for method in ("CompleteTask", "FailTask")
+        }
+        self._claim_batches = True
+        """False once the service answered ClaimTasks UNIMPLEMENTED: claims go one by one."""
         self._tracer = trace.get_tracer(__name__, tracer_provider=tracer_provider)
         self._lanes: dict[str, _Lane] = {}
         self._executor: ThreadPoolExecutor | None = None
@@ -380,7 +576,7 @@ class WorkerFleet:
 
     @property
     def in_flight(self) -> dict[str, int]:
-        """Tool name → tasks being worked right now."""
+        """Tool name → tasks being worked right now (claimed, and not yet reported)."""
         return {lane.name: len(lane.runs) for lane in self._lanes.values()}
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -417,6 +613,8 @@ class WorkerFleet:
             # the leases lapse (use stop() or a signal to drain).
             for task in [*polls, *self._working()]:
                 task.cancel()
+            for batcher in (self._beats, *self._reports.values()):
+                batcher.close()
             for sig in signals:
                 loop.remove_signal_handler(sig)
             if self._executor is not None:
@@ -503,11 +701,13 @@ class WorkerFleet:
         failures = 0
         while not self._stopping.is_set():
             lane.wake.clear()  # before the sweep, so a slot freed during it is not missed
-            if len(lane.runs) >= lane.concurrency:
+            free = lane.concurrency - lane.busy
+            if free <= 0:
                 await _wait(lane.wake, AT_CAPACITY_BACKOFF_SECONDS)
                 continue
             try:
-                self._claimed(lane, *await self._claim(lane, self._park_seconds()))
+                claimed = await self._claim(lane, min(free, MAX_CLAIM_BATCH), self._park_seconds())
+                self._claimed(lane, *claimed)
             except Exception as error:
                 # The loop must outlive any failure: the service may be restarting.
                 failures += 1
@@ -521,37 +721,72 @@ class WorkerFleet:
         return min(self.poll_interval * random.uniform(0.75, 1.25), MAX_CLAIM_WAIT_SECONDS)
 
     async def _claim(
-        self, lane: _Lane, wait: float
-    ) -> tuple[task_pb2.ClaimNextTaskResponse, trace.SpanContext]:
-        """One ClaimNextTask that parks in the service for up to `wait` seconds."""
+        self, lane: _Lane, limit: int, wait: float
+    ) -> tuple[list[task_pb2.ClaimedTask], float | None, trace.SpanContext]:
+        """One ClaimTasks for up to `limit` tasks (ClaimNextTask for one) that parks in the
+        service for up to `wait` seconds; returns the tasks, the lease's length and the span."""
         park = duration_pb2.Duration()
         park.FromNanoseconds(int(wait * 1e9))
-        request = task_pb2.ClaimNextTaskRequest(tool_id=lane.tool_id, wait=park)
+        timeout = wait + self.client.timeout
         with self._tracer.start_as_current_span(f"claim {lane.name}") as span:
-            response = await self.client.call(
-                "ClaimNextTask", request, timeout=wait + self.client.timeout
-            )
-            span.set_attribute("genq.claimed", response.HasField("task"))
-            if response.HasField("task"):
-                span.set_attribute("genq.task_id", response.task.id)
-            return response, span.get_span_context()
+            claimed: list[task_pb2.ClaimedTask] | None = None
+            if limit > 1 and self._claim_batches:
+                request = task_pb2.ClaimTasksRequest(tool_id=lane.tool_id, limit=limit, wait=park)
+                try:
+                    many = await self.client.call("ClaimTasks", request, timeout=timeout)
+                except GenqError as error:
+                    if error.code != grpc.StatusCode.UNIMPLEMENTED:
+                        raise
+                    log.info("the service has no ClaimTasks; claiming one task at a time")
+                    self._claim_batches = False
+                else:
+                    claimed, lease = list(many.tasks), _lease_seconds(many)
+            if claimed is None:
+                single = task_pb2.ClaimNextTaskRequest(tool_id=lane.tool_id, wait=park)
+                one = await self.client.call("ClaimNextTask", single, timeout=timeout)
+                claimed, lease = [], _lease_seconds(one)
+                if one.HasField("task"):
+                    claimed.append(task_pb2.ClaimedTask(task=one.task, lease_token=one.lease_token))
+            span.set_attribute("genq.claimed", bool(claimed))
+            span.set_attribute("genq.claimed_count", len(claimed))
+            if len(claimed) == 1:
+                span.set_attribute("genq.task_id", claimed[0].task.id)
+            return claimed, lease, span.get_span_context()
 
     def _claimed(
-        self, lane: _Lane, response: task_pb2.ClaimNextTaskResponse, claim_span: trace.SpanContext
+        self,
+        lane: _Lane,
+        claimed: list[task_pb2.ClaimedTask],
+        lease: float | None,
+        claim_span: trace.SpanContext,
     ) -> None:
-        if not response.HasField("task"):
+        if not claimed:
             return
         loop = asyncio.get_running_loop()
-        ctx = TaskContext(self.client, lane.name, response.task, response.lease_token, loop)
-        run = _Run(lane, ctx, claim_span, loop.create_future(), lease=_lease_seconds(response))
-        run.task = asyncio.create_task(self._execute(run), name=f"genq {lane.name} {ctx.task.id}")
-        lane.runs.add(run)
+        for item in claimed:
+            ctx = TaskContext(self.client, lane.name, item.task, item.lease_token, loop)
+            run = _Run(lane, ctx, claim_span, loop.create_future(), lease=lease)
+            lane.busy += 1
+            lane.runs.add(run)
+            run.task = asyncio.create_task(
+                self._execute(run), name=f"genq {lane.name} {ctx.task.id}"
+            )
+            run.task.add_done_callback(functools.partial(self._finished, run))
+        # Each run's first step submits its confirmation; this runs right after the last of
+        # them, so the claim's confirmations leave together without waiting `report_delay`.
+        loop.call_soon(self._beats.flush)
 
-        def finished(_: asyncio.Task[None]) -> None:
-            lane.runs.discard(run)
-            lane.wake.set()
+    def _finished(self, run: _Run, _: asyncio.Task[None]) -> None:
+        run.lane.runs.discard(run)
+        self._free_slot(run)
+        run.lane.wake.set()
 
-        run.task.add_done_callback(finished)
+    def _free_slot(self, run: _Run) -> None:
+        """The run's handler is done (or never ran): its lane may claim another task."""
+        if run.holds_slot:
+            run.holds_slot = False
+            run.lane.busy -= 1
+            run.lane.wake.set()
 
     # -- one task -------------------------------------------------------------------------------
 
@@ -589,6 +824,7 @@ class WorkerFleet:
                 heartbeat.cancel()
                 if not handler.done():
                     handler.cancel()
+                self._free_slot(run)  # the report is no handler's work: the lane may claim
             try:
                 if finished:
                     await self._settle(run, handler, span)
@@ -611,8 +847,8 @@ class WorkerFleet:
             if remaining <= 0:
                 break
             try:
-                response = await self.client.call(
-                    "HeartbeatTask", request, timeout=min(self.client.timeout, remaining)
+                response = await self._beats.call(
+                    request, timeout=min(self.client.timeout, remaining)
                 )
             except GenqError as error:
                 if _lease_gone(error):
@@ -634,10 +870,16 @@ class WorkerFleet:
             self._beaten(run, response)
             return True
         log.warning(
-            "task %s: could not confirm the claim; not running it (its lease lapses "
-            "unconfirmed, which costs the task no retry)",
-            ctx.task.id,
+            "task %s: could not confirm the claim; not running it, handing it back", ctx.task.id
         )
+        # One of the tries may have committed after all (its answer lost): the lease would then
+        # count as confirmed and its lapse cost a retry for a run that never happened. A release
+        # costs nothing either way; if it cannot get through either, the lease lapses.
+        release = task_pb2.ReleaseTaskRequest(task_id=ctx.task.id, lease_token=ctx.lease_token)
+        try:
+            await self.client.call("ReleaseTask", release, timeout=self.client.timeout)
+        except GenqError as error:
+            log.info("task %s: hand-back not delivered either (%s)", ctx.task.id, error.code)
         return False
 
     async def _handle(self, run: _Run) -> Output:
@@ -659,8 +901,8 @@ class WorkerFleet:
             interval = self._beat_interval(run)
             try:
                 # A beat that hangs must not outlive the next one.
-                response = await self.client.call(
-                    "HeartbeatTask", request, timeout=min(self.client.timeout, max(interval, 1.0))
+                response = await self._beats.call(
+                    request, timeout=min(self.client.timeout, max(interval, 1.0))
                 )
             except GenqError as error:
                 if _lease_gone(error):
@@ -776,13 +1018,20 @@ class WorkerFleet:
 
     async def _report(self, run: _Run, what: str, request: Message) -> GenqError | None:
         """Sends the write that ends this worker's hold on the task (CompleteTask, FailTask or
-        ReleaseTask) in a span named `what`; returns the error that refused it, if any."""
+        ReleaseTask) in a span named `what`; returns the error that refused it, if any.
+        CompleteTask and FailTask go in a batch; an UNAVAILABLE one is retried (in the next)."""
         method = type(request).__name__.removesuffix("Request")
         ctx = run.ctx
+        batcher = self._reports.get(method)
         with self._tracer.start_as_current_span(f"{what} {run.lane.name}"):
             for attempt in range(REPORT_ATTEMPTS):
                 try:
-                    response = await self.client.call(method, request)
+                    if batcher is None:
+                        response = await self.client.call(method, request)
+                    else:
+                        # The answer holds the task: its weight counts toward the batch's bound.
+                        weight = ctx.task.ByteSize()
+                        response = await batcher.call(request, answer_bytes=weight)
                 except GenqError as error:
                     if _lease_gone(error):
                         # A FailTask or ReleaseTask retried after UNAVAILABLE may also hear this
@@ -828,13 +1077,39 @@ def _cancel_request(ctx: TaskContext) -> task_pb2.FailTaskRequest:
 
 
 def _lease_seconds(
-    response: task_pb2.ClaimNextTaskResponse | task_pb2.HeartbeatTaskResponse,
+    response: task_pb2.ClaimNextTaskResponse
+    | task_pb2.ClaimTasksResponse
+    | task_pb2.HeartbeatTaskResponse,
 ) -> float | None:
     """The lease's length an answer gives, in seconds; None when it gives none (older service)."""
     if not response.HasField("lease"):
         return None
     seconds = response.lease.ToNanoseconds() / 1e9
     return seconds if seconds > 0 else None
+
+
+def _refusal(method: str, reason: str) -> GenqError:
+    """A batch item's `refused` as the error the single RPC would have raised."""
+    if reason == Reason.LEASE_LOST:
+        return LeaseLost(grpc.StatusCode.ABORTED, f"{method}: the lease is lost", Reason.LEASE_LOST)
+    if reason == Reason.TASK_NOT_FOUND:
+        return GenqError(
+            grpc.StatusCode.NOT_FOUND, f"{method}: no such task", Reason.TASK_NOT_FOUND
+        )
+    known = Reason(reason) if reason in Reason.__members__ else None
+    return GenqError(grpc.StatusCode.FAILED_PRECONDITION, f"{method} refused: {reason}", known)
+
+
+def _resolve(
+    future: asyncio.Future[Any], *, value: Any = None, error: BaseException | None = None
+) -> None:
+    """Answers a batched call, unless its caller gave up on it meanwhile."""
+    if future.done():
+        return
+    if error is None:
+        future.set_result(value)
+    else:
+        future.set_exception(error)
 
 
 def _lease_gone(error: GenqError) -> bool:

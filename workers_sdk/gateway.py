@@ -11,6 +11,13 @@ is the reconciler's job (`workers_sdk.reconciler`), not this client's.
         async for event in gateway.follow(task.id):
             ...
 
+Many at once: `enqueue_many(tool_id, items)` queues a list of tasks with QueueTasks, up to 1,000
+(and 2 MiB) a call, one statement each, and returns them in order with how many were skipped for
+an idempotency key already used:
+
+        queued = await gateway.enqueue_many(tool.id, [{"prompt": p} for p in prompts])
+        queued.tasks, queued.skipped
+
 Idempotency: `idempotency_key` makes the enqueue idempotent per tool and is also stored as the
 task's `billing_idempotency_key`, the key the gateway's billing uses for the reservation. A
 retried enqueue after an ambiguous failure (a deadline, or UNAVAILABLE after the request was
@@ -19,8 +26,10 @@ sent) answers with the task the first try created.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+import asyncio
+from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import aclosing
+from dataclasses import dataclass, field
 from typing import Any
 
 from google.protobuf.struct_pb2 import Struct
@@ -28,6 +37,37 @@ from opentelemetry import trace
 
 from generation.task.v1 import task_pb2
 from workers_sdk.client import GenqClient, current_traceparent
+
+MAX_ENQUEUE_BATCH = 1_000
+"""Most tasks one QueueTasks takes (the service's limit); `enqueue_many` splits bigger inputs."""
+
+MAX_ENQUEUE_BYTES = 2 * 1024 * 1024
+"""Most bytes of items in one QueueTasks: well under the service's receive limit
+(GENQ_MAX_MESSAGE_BYTES, 4 MiB); an item bigger than this goes in a call of its own."""
+
+
+@dataclass(frozen=True)
+class NewTask:
+    """One task for `enqueue_many` with options of its own; a field left None takes the value the
+    call gives for all (its keyword arguments)."""
+
+    input: Mapping[str, Any]
+    priority: int | None = None
+    max_retries: int | None = None
+    reserved_token_amount: int | None = None
+    idempotency_key: str | None = None
+
+
+@dataclass
+class Enqueued:
+    """What `enqueue_many` queued."""
+
+    tasks: list[task_pb2.Task] = field(default_factory=list)
+    """The tasks created, in the order of the items (those skipped left out)."""
+    skipped: int = 0
+    """Items not queued because their idempotency_key was already used (the task it made
+    stands; `get` or the key find it)."""
+
 
 TERMINAL_EVENTS = frozenset(
     {
@@ -82,25 +122,82 @@ class GatewayClient:
             kind=trace.SpanKind.PRODUCER,
             attributes={"genq.tool_id": tool_id},
         ) as span:
-            request = task_pb2.QueueTaskRequest(
-                tool_id=tool_id,
-                input=_struct(input),
-                reserved_token_amount=reserved_token_amount,
-                idempotency_key=idempotency_key or "",
-                billing_idempotency_key=idempotency_key or "",
-                # Taken inside the span, so it names the enqueue span; with no tracing SDK
-                # installed it is the caller's own context (or "" when there is none).
-                w3c_traceparent=current_traceparent(),
-            )
-            # Optional fields: leaving them unset is what selects the service's default.
-            if priority is not None:
-                request.priority = priority
-            if max_retries is not None:
-                request.max_retries = max_retries
+            item = NewTask(input, priority, max_retries, reserved_token_amount, idempotency_key)
+            # The traceparent is taken inside the span, so it names the enqueue span; with no
+            # tracing SDK installed it is the caller's own context (or "" when there is none).
+            request = _queue_request(tool_id, item, NewTask({}), current_traceparent())
             response = await self.client.call("QueueTask", request)
             task: task_pb2.Task = response.task
             span.set_attribute("genq.task_id", task.id)
             return task
+
+    async def enqueue_many(
+        self,
+        tool_id: str,
+        items: Iterable[Mapping[str, Any] | NewTask],
+        *,
+        priority: int | None = None,
+        max_retries: int | None = None,
+        reserved_token_amount: int = 0,
+        concurrency: int = 1,
+    ) -> Enqueued:
+        """Queues many tasks of one tool: each item is a task's input, or a `NewTask` with
+        options of its own (those it leaves None take this call's). Sent as QueueTasks of up to
+        1,000 items and 2 MiB each (one statement a call), `concurrency` calls at a time.
+
+        Returns the tasks created in item order, and how many items were skipped because their
+        `idempotency_key` was already used: unlike `enqueue`, a used key is never an error here,
+        whatever the input (the service's QueueTasks skips it). Runs in one span "enqueue_many
+        <tool_id>", whose traceparent every task stores.
+
+        With `concurrency` above 1 the calls commit in no set order, so FIFO among equal
+        priorities holds within each 1,000 only; 1 (the default) keeps the items' order. A call
+        that fails raises its GenqError; the calls before it are queued (and with idempotency
+        keys, calling again with the same items queues only what is missing).
+        """
+        if concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        with self.tracer.start_as_current_span(
+            f"enqueue_many {tool_id}",
+            kind=trace.SpanKind.PRODUCER,
+            attributes={"genq.tool_id": tool_id},
+        ) as span:
+            traceparent = current_traceparent()
+            requests = [
+                _queue_request(
+                    tool_id,
+                    item if isinstance(item, NewTask) else NewTask(input=item),
+                    NewTask({}, priority, max_retries, reserved_token_amount),
+                    traceparent,
+                )
+                for item in items
+            ]
+            span.set_attribute("genq.count", len(requests))
+            chunks = [
+                task_pb2.QueueTasksRequest(tool_id=tool_id, tasks=chunk)
+                for chunk in _chunks(requests)
+            ]
+            answers: list[task_pb2.QueueTasksResponse | None] = [None] * len(chunks)
+            calls = asyncio.Semaphore(concurrency)
+
+            async def send(index: int) -> None:
+                async with calls:
+                    answers[index] = await self.client.call("QueueTasks", chunks[index])
+
+            if concurrency == 1:
+                for index in range(len(chunks)):
+                    await send(index)
+            else:
+                async with asyncio.TaskGroup() as group:
+                    for index in range(len(chunks)):
+                        group.create_task(send(index))
+            queued = Enqueued()
+            for answer in answers:
+                assert answer is not None  # every call answered, or raised
+                queued.tasks.extend(answer.tasks)
+                queued.skipped += answer.skipped
+            span.set_attribute("genq.skipped", queued.skipped)
+            return queued
 
     async def get(self, task_id: str) -> task_pb2.Task:
         """Reads one task; an unknown id raises GenqError (NOT_FOUND, reason TASK_NOT_FOUND)."""
@@ -132,6 +229,47 @@ class GatewayClient:
                 # ("until terminal") in this one place for the caller.
                 if event.kind in TERMINAL_EVENTS:
                     return
+
+
+def _chunks(requests: list[task_pb2.QueueTaskRequest]) -> list[list[task_pb2.QueueTaskRequest]]:
+    """The requests in order, cut into QueueTasks of at most MAX_ENQUEUE_BATCH items and
+    MAX_ENQUEUE_BYTES (each at least one item)."""
+    chunks: list[list[task_pb2.QueueTaskRequest]] = []
+    size = 0
+    for request in requests:
+        weight = request.ByteSize()
+        if not chunks or len(chunks[-1]) == MAX_ENQUEUE_BATCH or size + weight > MAX_ENQUEUE_BYTES:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(request)
+        size += weight
+    return chunks
+
+
+def _queue_request(
+    tool_id: str, item: NewTask, defaults: NewTask, traceparent: str
+) -> task_pb2.QueueTaskRequest:
+    """A QueueTask request (or an item of a QueueTasks). Optional fields left unset are what
+    selects the service's defaults."""
+    key = item.idempotency_key or ""
+    reserved = item.reserved_token_amount
+    request = task_pb2.QueueTaskRequest(
+        tool_id=tool_id,
+        input=_struct(item.input),
+        reserved_token_amount=(defaults.reserved_token_amount or 0)
+        if reserved is None
+        else reserved,
+        idempotency_key=key,
+        billing_idempotency_key=key,
+        w3c_traceparent=traceparent,
+    )
+    priority = defaults.priority if item.priority is None else item.priority
+    if priority is not None:
+        request.priority = priority
+    max_retries = defaults.max_retries if item.max_retries is None else item.max_retries
+    if max_retries is not None:
+        request.max_retries = max_retries
+    return request
 
 
 def _struct(values: Mapping[str, Any]) -> Struct:

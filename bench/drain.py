@@ -1,0 +1,537 @@
+"""Batch path: N no-op tasks enqueued with `GatewayClient.enqueue_many`, then drained by
+`WorkerFleet` with its defaults, against PGQueuer's QueueManager (batch 10) on the same Postgres,
+in one run (GUIDE.md section 4, bars "batch path" and "enqueue").
+
+    .venv/bin/python bench/drain.py [--tasks 20000] [--concurrency 100] [--workers 1,2]
+
+PGQueuer runs from an interpreter of its own, so that it is not installed into the project's
+environment (it is no dependency of genq, not even an extra):
+
+    python3.11 -m venv /tmp/pgq && /tmp/pgq/bin/pip install pgqueuer asyncpg
+
+`--pgqueuer-python` (default /tmp/pgq/bin/python, or $GENQ_BENCH_PGQ_PYTHON) names it; without
+it the PGQueuer line is skipped. It runs the peers' own baseline, `../shared/peers/
+pgqueuer_drain.py` (`--pgqueuer-script`), on a database of its own (durable tables, `pgq
+install`), which enqueues N jobs 1,000 a call and drains them with QueueManager in drain mode.
+
+One run, in this order, each phase on a quiet database (CHECKPOINT first):
+
+1. pgqueuer: the peer script, once per `--pgqueuer-batch` (default 10).
+2. genq: a database of its own (migrated, a daily cap no run reaches), `python -m service serve`
+   on a free port with its defaults (GENQ_PROCESSES included; `--service-env NAME=VALUE` to
+   change them), one tool "noop". For each worker count W in `--workers`:
+   - the queue emptied (TRUNCATE), then N tasks enqueued with `enqueue_many` (QueueTasks, 1,000
+     a call, one call at a time): enqueue tasks/s;
+   - ANALYZE (as autovacuum would after such a load; this server runs none), CHECKPOINT;
+   - W worker processes, each one `WorkerFleet(address)` with its defaults hosting "noop"
+     (`--concurrency` slots, a handler that returns at once), started and imported first, then
+     let go at once: drain tasks/s from that moment to the last task's `completed_at`.
+   Each worker counts its RPCs by method; the run prints them per 1,000 tasks, and the CPU the
+   service, the workers and the whole machine used (with psutil, which the service extra has).
+3. genq enqueue with `--enqueue-concurrency` calls in flight (default 4), once more, alone.
+
+Durability stays on for both: synchronous_commit = on for each bench database. The ratios
+printed are the bars: drain >= 2 x PGQueuer batch 10, enqueue >= 1 x PGQueuer's enqueue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import grpc
+import psycopg
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from psycopg import sql
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script: the project's packages, not an installed copy
+
+from service import migrations  # noqa: E402
+from workers_sdk import GatewayClient, GenqClient, TaskContext, WorkerFleet  # noqa: E402
+
+ADMIN_URL = os.environ.get("GENQ_BENCH_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+PGQ_PYTHON = os.environ.get("GENQ_BENCH_PGQ_PYTHON", "/tmp/pgq/bin/python")
+PGQ_SCRIPT = ROOT.parent / "shared" / "peers" / "pgqueuer_drain.py"
+CAP = 10**17
+"""Global daily cap in nanos (the largest the service takes): without one nothing is claimed."""
+TOOL = "noop"
+UNSET_FOR_SERVICE = {"REDIS_ADDR", "REDIS_URL", "GENQ_POOL_MAX_SIZE", "GENQ_POOL_MIN_SIZE"}
+"""Not inherited by the service: it runs on its defaults, one replica without Redis."""
+DRAIN_BAR, ENQUEUE_BAR = 2.0, 1.0
+CPU_PARTIES = ("service", "postgres", "workers", "machine", "other")
+
+try:
+    import psutil  # type: ignore[import-untyped,unused-ignore]
+except ImportError:  # pragma: no cover - psutil comes with the service extra
+    psutil = None
+
+
+# --- databases ----------------------------------------------------------------------------------
+
+
+def url_for(database: str) -> str:
+    return urlsplit(ADMIN_URL)._replace(path=f"/{database}").geturl()
+
+
+@contextmanager
+def database(prefix: str) -> Iterator[str]:
+    """A fresh database with synchronous_commit on; dropped on the way out, whatever happens."""
+    name = f"{prefix}_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        admin.execute(
+            sql.SQL("ALTER DATABASE {} SET synchronous_commit = on").format(sql.Identifier(name))
+        )
+    try:
+        yield url_for(name)
+    finally:
+        with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
+            admin.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )
+
+
+def execute(url: str, *statements: str) -> None:
+    with psycopg.connect(url, autocommit=True) as connection:
+        for statement in statements:
+            connection.execute(statement.encode())
+
+
+def server_settings(url: str) -> str:
+    names = ["server_version", "synchronous_commit", "fsync", "autovacuum", "shared_buffers"]
+    with psycopg.connect(url, autocommit=True) as connection:
+        rows = connection.execute(
+            "SELECT name, current_setting(name) FROM unnest(%s::text[]) AS name", [names]
+        ).fetchall()
+    return ", ".join(f"{name}={value}" for name, value in rows)
+
+
+# --- PGQueuer -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Peer:
+    enqueue: float | None = None
+    """Jobs/s of its batched enqueue (1,000 a call)."""
+    drain: dict[int, float] = field(default_factory=dict)
+    """Jobs/s of its drain, by dequeue batch size."""
+
+
+def pgqueuer(args: argparse.Namespace) -> Peer | None:
+    python, script = Path(args.pgqueuer_python), Path(args.pgqueuer_script)
+    if not python.exists() or not script.exists():
+        print(f"pgqueuer: skipped ({python} or {script} missing; see this program's docstring)")
+        return None
+    peer = Peer()
+    for batch in args.pgqueuer_batch:
+        with database("pgq_bench") as url:
+            env = {**os.environ, "PGDSN": url, "PGQ_DSN": url}
+            pgq = python.parent / "pgq"
+            subprocess.run([str(pgq), "install"], env=env, check=True, capture_output=True)
+            execute(url, "CHECKPOINT")
+            done = subprocess.run(
+                [str(python), str(script), str(args.tasks), str(batch)],
+                env=env,
+                check=True,
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+        for line in done.stdout.splitlines():
+            print(f"  {line}")
+        if found := re.search(r"enqueue .*?: (\d+) jobs/s", done.stdout):
+            peer.enqueue = max(peer.enqueue or 0.0, float(found[1]))
+        if found := re.search(r"drain .*= (\d+) jobs/s", done.stdout):
+            peer.drain[batch] = float(found[1])
+    return peer
+
+
+# --- the service --------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Service:
+    """`python -m service serve` on a free port with its defaults; its log in a temp file."""
+
+    def __init__(self, url: str, env: dict[str, str]) -> None:
+        self.address = f"127.0.0.1:{free_port()}"
+        inherited = {k: v for k, v in os.environ.items() if k not in UNSET_FOR_SERVICE}
+        self.env = {
+            **inherited,
+            "GENQ_HOST": "127.0.0.1",
+            "GENQ_PORT": self.address.rsplit(":", 1)[1],
+            "GENQ_HTTP_PORT": "0",
+            "DATABASE_URL": url,
+            **env,
+        }
+        self.log_path = Path(tempfile.mkstemp(prefix="genq_bench_drain_", suffix=".log")[1])
+        self.log = self.log_path.open("wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "service", "serve"],
+            env=self.env,
+            cwd=ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 60
+        with grpc.insecure_channel(self.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            while True:
+                if self.process.poll() is not None:
+                    raise SystemExit(f"genq serve exited:\n{self.log_path.read_text()[-3000:]}")
+                try:
+                    answer = health.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    if answer.status == health_pb2.HealthCheckResponse.SERVING:
+                        break
+                except grpc.RpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"genq serve not SERVING after 60 s ({self.log_path})")
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+        if self.process.returncode == 0:
+            self.log_path.unlink(missing_ok=True)
+        else:
+            print(f"genq serve exited with {self.process.returncode}; log: {self.log_path}")
+
+
+class CpuMeter:
+    """CPU seconds between `begin` and `end` of the service (all its processes), Postgres (the
+    bench database's backends and the server's background processes, Postgres being local) and
+    the whole machine. The workers measure their own (time.process_time)."""
+
+    def __init__(self, service: Service, url: str) -> None:
+        self.service = service
+        self.url = url
+        self.groups: dict[str, list[int]] = {}
+        self.start: dict[int, float] = {}
+        self.busy = 0.0
+
+    def _pids(self) -> dict[str, list[int]]:
+        with psycopg.connect(self.url, autocommit=True) as connection:
+            rows = connection.execute(
+                "SELECT pid FROM pg_stat_activity WHERE pid <> pg_backend_pid() "
+                "AND (datname = current_database() OR datname IS NULL)"
+            ).fetchall()
+        root = psutil.Process(self.service.process.pid)
+        service = [root.pid, *(child.pid for child in root.children(recursive=True))]
+        return {"service": service, "postgres": [int(pid) for (pid,) in rows]}
+
+    @staticmethod
+    def _seconds(pids: list[int]) -> dict[int, float]:
+        seconds = {}
+        for pid in pids:
+            try:
+                times = psutil.Process(pid).cpu_times()
+            except psutil.Error:
+                continue
+            seconds[pid] = float(times.user + times.system)
+        return seconds
+
+    @staticmethod
+    def _busy() -> float:
+        times = psutil.cpu_times()
+        return float(sum(times) - times.idle - getattr(times, "iowait", 0.0))
+
+    def begin(self) -> None:
+        if psutil is None:
+            return
+        self.groups = self._pids()
+        self.start = self._seconds([pid for pids in self.groups.values() for pid in pids])
+        self.busy = self._busy()
+
+    def end(self) -> dict[str, float]:
+        """CPU seconds per party, and the machine's busy total."""
+        if psutil is None:
+            return {}
+        busy = self._busy() - self.busy
+        later = self._pids()
+        used = {}
+        for group in ("service", "postgres"):
+            pids = sorted(set(self.groups[group]) | set(later[group]))
+            now = self._seconds(pids)  # one that started meanwhile counts from zero
+            used[group] = sum(now[pid] - self.start.get(pid, 0.0) for pid in now)
+        used["machine"] = busy
+        return used
+
+
+# --- worker processes ---------------------------------------------------------------------------
+
+
+class CountingClient(GenqClient):
+    """A GenqClient that counts calls by method (for the RPCs per 1,000 tasks), and the seconds
+    they took."""
+
+    def __init__(self, target: str) -> None:
+        super().__init__(target)
+        self.calls: Counter[str] = Counter()
+        self.seconds: dict[str, float] = {}
+
+    async def call(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
+        self.calls[method] += 1
+        started = time.perf_counter()
+        try:
+            return await super().call(method, request, timeout=timeout)
+        finally:
+            took = time.perf_counter() - started
+            self.seconds[method] = self.seconds.get(method, 0.0) + took
+
+
+async def noop(task: Any, ctx: TaskContext) -> None:
+    return None
+
+
+def worker(address: str, concurrency: int, pipe: Connection) -> None:
+    """One worker process: a WorkerFleet with its defaults; runs from "go" until SIGTERM."""
+
+    async def main() -> None:
+        client = CountingClient(address)
+        fleet = WorkerFleet(client)  # the defaults a user who changes nothing gets
+        fleet.register(TOOL, noop, concurrency=concurrency)
+        pipe.send("ready")
+        await asyncio.to_thread(pipe.recv)  # "go"
+        cpu = time.process_time()
+        await fleet.run()
+        cpu = time.process_time() - cpu
+        await client.close()
+        pipe.send((dict(client.calls), dict(client.seconds), cpu))
+
+    asyncio.run(main())
+
+
+@dataclass
+class Drain:
+    workers: int
+    tasks: int
+    enqueue_per_second: float
+    drain_seconds: float
+    calls: Counter[str]
+    """RPCs by method, all workers together."""
+    seconds: dict[str, float]
+    """Seconds those calls took, by method (a parked claim's wait included)."""
+    cpu: dict[str, float]
+    """CPU seconds of the service, Postgres, the workers and the whole machine."""
+
+    @property
+    def per_second(self) -> float:
+        return self.tasks / self.drain_seconds
+
+
+async def enqueue(address: str, tool_id: str, tasks: int, concurrency: int) -> float:
+    """Enqueues `tasks` no-op tasks with enqueue_many; returns tasks/s."""
+    async with GenqClient(address, timeout=60) as client:
+        gateway = GatewayClient(client)
+        items: list[dict[str, Any]] = [{} for _ in range(tasks)]
+        started = time.perf_counter()
+        queued = await gateway.enqueue_many(tool_id, items, concurrency=concurrency)
+        seconds = time.perf_counter() - started
+    assert len(queued.tasks) == tasks, (len(queued.tasks), queued.skipped)
+    return tasks / seconds
+
+
+async def upsert_tool(address: str) -> str:
+    async with GenqClient(address) as client:
+        return str((await GatewayClient(client).upsert_tool(TOOL)).id)
+
+
+def completed(url: str) -> tuple[int, float | None]:
+    with psycopg.connect(url, autocommit=True) as connection:
+        found = connection.execute(
+            "SELECT count(*), extract(epoch FROM max(completed_at))::float "
+            "FROM generation.tasks WHERE status = 'completed'"
+        ).fetchone()
+    assert found is not None
+    return int(found[0]), found[1]
+
+
+def drain(
+    args: argparse.Namespace, service: Service, url: str, tool_id: str, workers: int
+) -> Drain:
+    execute(url, "TRUNCATE generation.tasks CASCADE", "VACUUM ANALYZE", "CHECKPOINT")
+    rate = asyncio.run(enqueue(service.address, tool_id, args.tasks, 1))
+    execute(url, "ANALYZE", "CHECKPOINT")
+
+    spawn = multiprocessing.get_context("spawn")
+    pipes, processes = [], []
+    for _ in range(workers):
+        ours, theirs = spawn.Pipe()
+        process = spawn.Process(target=worker, args=(service.address, args.concurrency, theirs))
+        process.start()
+        pipes.append(ours)
+        processes.append(process)
+    try:
+        for pipe in pipes:
+            if not pipe.poll(60):
+                raise SystemExit("a worker did not start")
+            assert pipe.recv() == "ready"
+        meter = CpuMeter(service, url)
+        meter.begin()
+        go = time.time()
+        for pipe in pipes:
+            pipe.send("go")
+        deadline = time.monotonic() + args.timeout
+        while (done := completed(url))[0] < args.tasks:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"drain timed out: {done[0]} of {args.tasks} completed")
+            time.sleep(0.05)
+        cpu = meter.end()
+        last = done[1]
+        assert last is not None
+        calls: Counter[str] = Counter()
+        seconds: dict[str, float] = {}
+        worker_cpu = 0.0
+        for process in processes:
+            assert process.pid is not None
+            os.kill(process.pid, signal.SIGTERM)
+        for pipe in pipes:
+            if not pipe.poll(60):
+                raise SystemExit("a worker did not drain")
+            counted, took, used = pipe.recv()
+            calls.update(counted)
+            for method, spent in took.items():
+                seconds[method] = seconds.get(method, 0.0) + spent
+            worker_cpu += used
+    finally:
+        for process in processes:
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+    cpu["workers"] = worker_cpu
+    return Drain(workers, args.tasks, rate, last - go, calls, seconds, cpu)
+
+
+def genq(args: argparse.Namespace) -> tuple[list[Drain], float]:
+    env = dict(item.split("=", 1) for item in args.service_env)
+    results = []
+    with database("genq_bench") as url:
+        migrations.upgrade(url)
+        execute(url, f"UPDATE generation.settings SET daily_cap_nanos = {CAP}")
+        print(f"postgres: {server_settings(url)}")
+        service = Service(url, env)
+        try:
+            processes = env.get("GENQ_PROCESSES", str(os.cpu_count() or 1))
+            print(f"genq serve at {service.address}, GENQ_PROCESSES={processes} (its default)")
+            tool_id = asyncio.run(upsert_tool(service.address))
+            for workers in args.workers:
+                result = drain(args, service, url, tool_id, workers)
+                results.append(result)
+                report(args, result)
+            execute(url, "TRUNCATE generation.tasks CASCADE", "VACUUM ANALYZE", "CHECKPOINT")
+            concurrent = asyncio.run(
+                enqueue(service.address, tool_id, args.tasks, args.enqueue_concurrency)
+            )
+            print(
+                f"genq enqueue_many, {args.enqueue_concurrency} calls in flight: "
+                f"{concurrent:,.0f} tasks/s"
+            )
+        finally:
+            service.stop()
+    return results, concurrent
+
+
+def report(args: argparse.Namespace, result: Drain) -> None:
+    thousands = result.tasks / 1000
+    calls = ", ".join(
+        f"{method} {count / thousands:.1f}" for method, count in sorted(result.calls.items())
+    )
+    print(
+        f"genq enqueue_many (1,000 a call, 1 in flight): {result.enqueue_per_second:,.0f} tasks/s"
+    )
+    print(
+        f"genq drain, {result.workers} worker process(es) x {args.concurrency} slots: "
+        f"{result.tasks} tasks in {result.drain_seconds:.2f} s = {result.per_second:,.0f} tasks/s"
+    )
+    print(f"  RPCs per 1,000 tasks: {calls}")
+    latency = ", ".join(
+        f"{method} {1000 * result.seconds[method] / count:.1f}"
+        for method, count in sorted(result.calls.items())
+    )
+    print(f"  mean ms per call: {latency}")
+    if "machine" in result.cpu:
+        cores = {name: used / result.drain_seconds for name, used in result.cpu.items()}
+        cores["other"] = cores["machine"] - sum(
+            cores[name] for name in ("service", "postgres", "workers")
+        )
+        flag = " (disturbed: other > 0.25)" if cores["other"] > 0.25 else ""
+        print(
+            "  CPU (cores): "
+            + ", ".join(f"{name} {cores[name]:.2f}" for name in CPU_PARTIES)
+            + f" of {os.cpu_count()}{flag}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", type=int, default=20_000)
+    parser.add_argument("--concurrency", type=int, default=100, help="slots per worker process")
+    parser.add_argument("--workers", type=lambda v: [int(n) for n in v.split(",")], default=[1, 2])
+    parser.add_argument("--enqueue-concurrency", type=int, default=4)
+    parser.add_argument("--timeout", type=float, default=300, help="longest drain, seconds")
+    parser.add_argument("--service-env", action="append", default=[], metavar="NAME=VALUE")
+    parser.add_argument("--pgqueuer-python", default=PGQ_PYTHON)
+    parser.add_argument("--pgqueuer-script", default=str(PGQ_SCRIPT))
+    parser.add_argument(
+        "--pgqueuer-batch", type=lambda v: [int(n) for n in v.split(",")], default=[10]
+    )
+    parser.add_argument("--skip-pgqueuer", action="store_true")
+    args = parser.parse_args()
+
+    print(f"{args.tasks} no-op tasks; machine: {os.cpu_count()} CPUs")
+    peer = None if args.skip_pgqueuer else pgqueuer(args)
+    results, concurrent = genq(args)
+
+    if peer is None:
+        return
+    if peer.drain.get(10):
+        for result in results:
+            ratio = result.per_second / peer.drain[10]
+            verdict = "met" if ratio >= DRAIN_BAR else "missed"
+            print(
+                f"drain ratio, {result.workers} worker process(es) / pgqueuer batch 10: "
+                f"{ratio:.2f} (bar {DRAIN_BAR:g}: {verdict})"
+            )
+    if peer.enqueue:
+        best = max([r.enqueue_per_second for r in results] + [concurrent])
+        for name, rate in (("1 in flight", results[0].enqueue_per_second), ("best", best)):
+            ratio = rate / peer.enqueue
+            verdict = "met" if ratio >= ENQUEUE_BAR else "missed"
+            print(
+                f"enqueue ratio ({name}) / pgqueuer: {ratio:.2f} (bar {ENQUEUE_BAR:g}: {verdict})"
+            )
+
+
+if __name__ == "__main__":
+    main()
