@@ -42,10 +42,8 @@ import multiprocessing
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections import Counter
@@ -55,27 +53,22 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
-import grpc
 import psycopg
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from psycopg import sql
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script: the project's packages, not an installed copy
 
+from bench.claim_complete import ADMIN_URL, Service, url_for  # noqa: E402
 from service import migrations  # noqa: E402
 from workers_sdk import GatewayClient, GenqClient, TaskContext, WorkerFleet  # noqa: E402
 
-ADMIN_URL = os.environ.get("GENQ_BENCH_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 PGQ_PYTHON = os.environ.get("GENQ_BENCH_PGQ_PYTHON", "/tmp/pgq/bin/python")
 PGQ_SCRIPT = ROOT.parent / "shared" / "peers" / "pgqueuer_drain.py"
 CAP = 10**17
 """Global daily cap in nanos (the largest the service takes): without one nothing is claimed."""
 TOOL = "noop"
-UNSET_FOR_SERVICE = {"REDIS_ADDR", "REDIS_URL", "GENQ_POOL_MAX_SIZE", "GENQ_POOL_MIN_SIZE"}
-"""Not inherited by the service: it runs on its defaults, one replica without Redis."""
 DRAIN_BAR, ENQUEUE_BAR = 2.0, 1.0
 CPU_PARTIES = ("service", "postgres", "workers", "machine", "other")
 
@@ -86,10 +79,6 @@ except ImportError:  # pragma: no cover - psutil comes with the service extra
 
 
 # --- databases ----------------------------------------------------------------------------------
-
-
-def url_for(database: str) -> str:
-    return urlsplit(ADMIN_URL)._replace(path=f"/{database}").geturl()
 
 
 @contextmanager
@@ -166,66 +155,6 @@ def pgqueuer(args: argparse.Namespace) -> Peer | None:
 
 
 # --- the service --------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Service:
-    """`python -m service serve` on a free port with its defaults; its log in a temp file."""
-
-    def __init__(self, url: str, env: dict[str, str]) -> None:
-        self.address = f"127.0.0.1:{free_port()}"
-        inherited = {k: v for k, v in os.environ.items() if k not in UNSET_FOR_SERVICE}
-        self.env = {
-            **inherited,
-            "GENQ_HOST": "127.0.0.1",
-            "GENQ_PORT": self.address.rsplit(":", 1)[1],
-            "GENQ_HTTP_PORT": "0",
-            "DATABASE_URL": url,
-            **env,
-        }
-        self.log_path = Path(tempfile.mkstemp(prefix="genq_bench_drain_", suffix=".log")[1])
-        self.log = self.log_path.open("wb")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "service", "serve"],
-            env=self.env,
-            cwd=ROOT,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 60
-        with grpc.insecure_channel(self.address) as channel:
-            health = health_pb2_grpc.HealthStub(channel)
-            while True:
-                if self.process.poll() is not None:
-                    raise SystemExit(f"genq serve exited:\n{self.log_path.read_text()[-3000:]}")
-                try:
-                    answer = health.Check(health_pb2.HealthCheckRequest(), timeout=1)
-                    if answer.status == health_pb2.HealthCheckResponse.SERVING:
-                        break
-                except grpc.RpcError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise SystemExit(f"genq serve not SERVING after 60 s ({self.log_path})")
-                time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.log.close()
-        if self.process.returncode == 0:
-            self.log_path.unlink(missing_ok=True)
-        else:
-            print(f"genq serve exited with {self.process.returncode}; log: {self.log_path}")
 
 
 class CpuMeter:
@@ -441,6 +370,7 @@ def genq(args: argparse.Namespace) -> tuple[list[Drain], float]:
         execute(url, f"UPDATE generation.settings SET daily_cap_nanos = {CAP}")
         print(f"postgres: {server_settings(url)}")
         service = Service(url, env)
+        service.wait_serving()
         try:
             processes = env.get("GENQ_PROCESSES", str(os.cpu_count() or 1))
             print(f"genq serve at {service.address}, GENQ_PROCESSES={processes} (its default)")

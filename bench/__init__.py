@@ -1,0 +1,1 @@
+"""Programs that print measured figures (docs/BENCHMARKS.md); run each as a script."""
