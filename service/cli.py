@@ -541,13 +541,14 @@ COMMANDS = [
         "cancel a task, or a tool's queued tasks",
         "Cancel one unfinished task (CancelTask), or with --tool every queued task of a tool "
         "(CancelTasks, in batches of 1000), optionally only those whose idempotency key starts "
-        "with --prefix, and running ones too with --include-processing (their workers lose the "
-        "lease).",
+        "with --prefix, and running ones too with --include-processing: a running task is asked "
+        "to stop, its worker hears it on its next heartbeat, and it ends cancelled when its run "
+        "does, with what the run cost recorded.",
         [
             arg("task_id TASK_ID", type=task_id, nargs="?"),
             arg("--tool TOOL", TOOL_ID),
             arg("--prefix P", "only tasks whose idempotency key starts with P"),
-            flag("--include-processing", "cancel running tasks too"),
+            flag("--include-processing", "ask running tasks to stop too"),
         ],
     ),
     Command(
