@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Callable
 
 from service.database import Database
 from service.rpcs import STATEMENTS, signal_event, signal_requeue
@@ -87,25 +88,34 @@ PURGE_INTERVAL_SECONDS = 3600.0
 PURGE_RETRY_SECONDS = 60.0
 
 
-async def rescue_lapsed_leases(database: Database, signals: Signals) -> int:
-    """One rescue sweep; returns how many lapsed leases it ended."""
+def _always() -> bool:
+    return True
+
+
+async def rescue_lapsed_leases(
+    database: Database, signals: Signals, go_on: Callable[[], bool] = _always
+) -> int:
+    """One rescue sweep, batch after batch while `go_on()` (this process still leads); returns
+    how many lapsed leases it ended."""
     total = 0
     while True:
         rows = await database.fetch(RESCUE_SQL, {"batch": BATCH})
         signal_requeue(signals, rows)
         total += len(rows)
-        if len(rows) < BATCH:
+        if len(rows) < BATCH or not go_on():
             return total
 
 
-async def expire_tasks(database: Database, signals: Signals, settings: Settings) -> int:
-    """One expiry sweep; returns how many tasks expired."""
+async def expire_tasks(
+    database: Database, signals: Signals, settings: Settings, go_on: Callable[[], bool] = _always
+) -> int:
+    """One expiry sweep, batch after batch while `go_on()`; returns how many tasks expired."""
     total = 0
     while True:
         rows = await database.fetch(EXPIRE_SQL, {"batch": BATCH, "disabled": settings.disabled})
         signal_event(signals, rows)
         total += len(rows)
-        if len(rows) < BATCH:
+        if len(rows) < BATCH or not go_on():
             return total
 
 
@@ -216,6 +226,10 @@ async def run(
     start_purge = purge_at_start
     purge_due = loop.time() + PURGE_INTERVAL_SECONDS
     election_due = loop.time()
+
+    def leading() -> bool:
+        return leadership.leading
+
     while True:
         if overrides(settings):
             try:
@@ -227,9 +241,12 @@ async def run(
             await leadership.elect()
         if leadership.leading:
             try:
-                if rescued := await rescue_lapsed_leases(database, signals):
+                # A long backlog stops at the lease's end: one leader sweeps at a time.
+                if rescued := await rescue_lapsed_leases(database, signals, leading):
                     log.info("rescued %d tasks whose lease lapsed", rescued)
-                if expired := await expire_tasks(database, signals, settings):
+                if leadership.leading and (
+                    expired := await expire_tasks(database, signals, settings, leading)
+                ):
                     log.info("expired %d tasks", expired)
             except Exception as error:
                 log.warning("housekeeping failed (%s); retrying in %.1f s", error, interval)

@@ -132,7 +132,7 @@ MAX_CLAIM_WAIT_SECONDS = 30.0
 """The longest `wait` the service accepts (GENQ_MAX_CLAIM_WAIT_SECONDS)."""
 
 REPORT_ATTEMPTS = 4
-"""Tries of a CompleteTask/FailTask that answers UNAVAILABLE (the only code clients retry)."""
+"""Tries of a CompleteTask/FailTask answered UNAVAILABLE or out of time (REPORT_RETRIED_CODES)."""
 
 MIN_LEASE_SECONDS = 10.0
 """The shortest lease the service grants; assumed when a claim's answer does not say."""
@@ -144,6 +144,8 @@ CONFIRM_RETRY_SECONDS = 0.5
 """Pause before the second try of a confirmation; doubled before the third."""
 
 CONFIRM_RETRIED_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+REPORT_RETRIED_CODES = CONFIRM_RETRIED_CODES
+"""A report (CompleteTask, FailTask, ReleaseTask) answered with one of these is sent again."""
 """A confirmation answered so may not have reached the service: try again (a beat is idempotent)."""
 
 DEFAULT_REPORT_DELAY = 0.005
@@ -1019,7 +1021,8 @@ class WorkerFleet:
     async def _report(self, run: _Run, what: str, request: Message) -> GenqError | None:
         """Sends the write that ends this worker's hold on the task (CompleteTask, FailTask or
         ReleaseTask) in a span named `what`; returns the error that refused it, if any.
-        CompleteTask and FailTask go in a batch; an UNAVAILABLE one is retried (in the next)."""
+        CompleteTask and FailTask go in a batch; one that answers UNAVAILABLE or runs out of time
+        is retried (in the next)."""
         method = type(request).__name__.removesuffix("Request")
         ctx = run.ctx
         batcher = self._reports.get(method)
@@ -1044,7 +1047,9 @@ class WorkerFleet:
                             error.reason,
                         )
                         return error
-                    if error.code != grpc.StatusCode.UNAVAILABLE or attempt + 1 == REPORT_ATTEMPTS:
+                    # A report repeated under its lease gets the same answer, so one whose answer
+                    # did not come in time is as safe to send again as one refused UNAVAILABLE.
+                    if error.code not in REPORT_RETRIED_CODES or attempt + 1 == REPORT_ATTEMPTS:
                         log.error("task %s: %s failed: %s", ctx.task.id, method, error)
                         return error
                     await asyncio.sleep(0.2 * 2**attempt)
@@ -1108,8 +1113,10 @@ def _resolve(
         return
     if error is None:
         future.set_result(value)
-    else:
+    elif isinstance(error, GenqError):
         future.set_exception(error)
+    else:  # callers branch on GenqError: a bug in a batch must not end a heartbeat silently
+        future.set_exception(GenqError(grpc.StatusCode.INTERNAL, repr(error), None))
 
 
 def _lease_gone(error: GenqError) -> bool:
