@@ -14,7 +14,7 @@ from google.protobuf import duration_pb2
 from psycopg.rows import dict_row
 
 from generation.task.v1 import task_pb2
-from tests.conftest import Databases, ServiceProcess, url_for
+from tests.conftest import Databases, ServiceProcess, url_for, wait_for
 from tests.test_semantics import Db, claim, confirm, queue, row
 
 LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1")
@@ -51,10 +51,24 @@ def test_a_wrong_host_clock_changes_no_decision(skewed: tuple[ServiceProcess, st
         confirm(stub, claimed)
         lease_left(db, task.id, 100, 121)
 
-        # Several rescue and expiry sweeps run meanwhile; a host-clock decision would have
-        # lapsed the lease or expired the task by now.
-        stub.ListTasks(task_pb2.ListTasksRequest(tool_id=tool_id))
-        db.execute("SELECT pg_sleep(1)")
+        # Sentinels the sweeps must end, lapsed and expired on the database's clock: once both
+        # are ended, a rescue and an expiry sweep ran after the setup. A host-clock decision
+        # would have lapsed the live lease or expired the live task in those sweeps.
+        other = str(stub.UpsertTool(task_pb2.UpsertToolRequest(name="sentinels")).tool.id)
+        lapsed = queue(stub, other)
+        confirm(stub, claim(stub, other))
+        expired = queue(stub, other)
+        db.execute(
+            "UPDATE generation.tasks SET claim_expires_at = now() - interval '1 second' "
+            "WHERE id = %s",
+            [lapsed.id],
+        )
+        db.execute(
+            "UPDATE generation.tasks SET expires_at = now() - interval '1 second' WHERE id = %s",
+            [expired.id],
+        )
+        wait_for(lambda: row(db, lapsed.id)["status"] == "queued", what="a rescue sweep")
+        wait_for(lambda: row(db, expired.id)["status"] == "expired", what="an expiry sweep")
         assert row(db, task.id)["status"] == "processing"
         assert row(db, soon_expiring.id)["status"] == "queued"
         stale = stub.ListStaleTasks(task_pb2.ListStaleTasksRequest(limit=10_000)).tasks

@@ -42,12 +42,12 @@ carries its task's trace context; a larger batch belongs to no one task's trace 
 outside any. ReleaseTask (drain) and PublishTaskEvent stay single.
 
 Leases. A claim answers the lease's length (`lease`: the tool's `lease_seconds`, else the
-service's GENQ_LEASE_SECONDS, never under 10 s), and so does every heartbeat. A background task
-extends the lease every min(`heartbeat_interval`, lease / 3), reckoned from the lease the last
-answer gave: two beats in a row may fail before the lease lapses, and a tool with a short lease
-is beaten often enough without tuning the fleet (an answer without `lease`, from an older
-service, leaves the beat at `heartbeat_interval`). When the service says the lease is gone
-(ABORTED, LEASE_LOST, from a heartbeat or an event publish), `ctx.lease_lost` is set: the
+service's GENQ_LEASE_SECONDS; a tool's is never under 10 s), and so does every heartbeat. A
+background task extends the lease every min(`heartbeat_interval`, lease / 3), reckoned from the
+lease the last answer gave: two beats in a row may fail before the lease lapses, and a tool with
+a short lease is beaten often enough without tuning the fleet (an answer without `lease`, from
+an older service, leaves the beat at `heartbeat_interval`). When the service says the lease is
+gone (ABORTED, LEASE_LOST, from a heartbeat or an event publish), `ctx.lease_lost` is set: the
 handler may stop early, and whatever it returns or raises is dropped. Another worker owns the
 task now; any write from here would be refused anyway.
 
@@ -994,7 +994,7 @@ class WorkerFleet:
     async def _release(self, run: _Run) -> None:
         """Returns a task the drain could not finish to the queue, its attempt unused. Should
         the release fail, the heartbeat is stopped already: the lease lapses and the service's
-        rescuer requeues the task (the reclaim then uses an attempt)."""
+        rescuer requeues the task (the lapse of this confirmed run then uses a retry)."""
         ctx = run.ctx
         if ctx.is_lease_lost:
             await self._report_cost(run)  # another worker holds it already
