@@ -105,6 +105,13 @@ def settlement(row: Row) -> task_pb2.Settlement:
     return message
 
 
+def audit_entry(row: Row) -> task_pb2.AuditEntry:
+    message = task_pb2.AuditEntry(id=row["id"], actor=row["actor"], action=row["action"])
+    _timestamp(message.at, row["at"])
+    _struct(message.detail, row["detail"])
+    return message
+
+
 def settings(row: Row) -> task_pb2.Settings:
     message = task_pb2.Settings(
         enabled=row["enabled"],

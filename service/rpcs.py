@@ -595,6 +595,15 @@ def bind_list_unsettled_tasks(
     return {"limit": validation.in_range("limit", request.limit, 0, MAX_PAGE) or DEFAULT_PAGE}
 
 
+def bind_list_audit_entries(
+    request: task_pb2.ListAuditEntriesRequest, settings: Settings
+) -> Params:
+    return {
+        "limit": validation.in_range("limit", request.limit, 0, MAX_PAGE) or DEFAULT_PAGE,
+        "before_id": validation.amount("before_id", request.before_id),
+    }
+
+
 def respond_settle(rows: list[Row]) -> task_pb2.SettleTaskResponse:
     row = _found(rows)
     if row["task_id"] is None:
@@ -788,6 +797,12 @@ BINDINGS: dict[str, Binding] = {
         lambda rows: task_pb2.ListUnsettledTasksResponse(tasks=[messages.task(r) for r in rows]),
     ),
     "SettleTask": Binding(bind_task_id, respond_settle),
+    "ListAuditEntries": Binding(
+        bind_list_audit_entries,
+        lambda rows: task_pb2.ListAuditEntriesResponse(
+            entries=[messages.audit_entry(r) for r in rows]
+        ),
+    ),
 }
 
 # Server-streaming: the statement reads one page of events; service/handlers.py follows.

@@ -25,11 +25,13 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import descriptor_pb2 as google_dot_protobuf_dot_descriptor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n generation/task/v1/options.proto\x12\x12generation.task.v1\x1a google/protobuf/descriptor.proto:-\n\x03sql\x12\x1e.google.protobuf.MethodOptions\x18\xd1\x86\x03 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n generation/task/v1/options.proto\x12\x12generation.task.v1\x1a google/protobuf/descriptor.proto*x\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_GATEWAY\x10\x01\x12\x0f\n\x0bROLE_WORKER\x10\x02\x12\x13\n\x0fROLE_RECONCILER\x10\x03\x12\x11\n\rROLE_OPERATOR\x10\x04\x12\x0f\n\x0bROLE_VIEWER\x10\x05:-\n\x03sql\x12\x1e.google.protobuf.MethodOptions\x18\xd1\x86\x03 \x01(\t:I\n\x05roles\x12\x1e.google.protobuf.MethodOptions\x18\xd2\x86\x03 \x03(\x0e\x32\x18.generation.task.v1.Role:4\n\ntool_field\x12\x1e.google.protobuf.MethodOptions\x18\xd3\x86\x03 \x01(\t:1\n\x07\x61udited\x12\x1e.google.protobuf.MethodOptions\x18\xd4\x86\x03 \x01(\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'generation.task.v1.options_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_ROLE']._serialized_start=90
+  _globals['_ROLE']._serialized_end=210
 # @@protoc_insertion_point(module_scope)

@@ -5,10 +5,71 @@ isort:skip_file
 
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import descriptor_pb2 as _descriptor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf.internal import extension_dict as _extension_dict
 import builtins as _builtins
+import sys
+import typing as _typing
+
+if sys.version_info >= (3, 10):
+    from typing import TypeAlias as _TypeAlias
+else:
+    from typing_extensions import TypeAlias as _TypeAlias
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _Role:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _RoleEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Role.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ROLE_UNSPECIFIED: _Role.ValueType  # 0
+    ROLE_GATEWAY: _Role.ValueType  # 1
+    """Enqueues, reads and follows tasks, cancels them."""
+    ROLE_WORKER: _Role.ValueType  # 2
+    """Claims and reports the tasks of the tools named on its token."""
+    ROLE_RECONCILER: _Role.ValueType  # 3
+    """Lists stale and unsettled tasks, force-fails stale ones, settles reservations."""
+    ROLE_OPERATOR: _Role.ValueType  # 4
+    """Everything: settings, tools, caps, pauses, purges, the audit log."""
+    ROLE_VIEWER: _Role.ValueType  # 5
+    """Reads status, stats and lists, never a task's input or output."""
+
+class Role(_Role, metaclass=_RoleEnumTypeWrapper):
+    """Who may call an RPC. An operator may call every RPC; the others only the RPCs that name them."""
+
+ROLE_UNSPECIFIED: Role.ValueType  # 0
+ROLE_GATEWAY: Role.ValueType  # 1
+"""Enqueues, reads and follows tasks, cancels them."""
+ROLE_WORKER: Role.ValueType  # 2
+"""Claims and reports the tasks of the tools named on its token."""
+ROLE_RECONCILER: Role.ValueType  # 3
+"""Lists stale and unsettled tasks, force-fails stale ones, settles reservations."""
+ROLE_OPERATOR: Role.ValueType  # 4
+"""Everything: settings, tools, caps, pauses, purges, the audit log."""
+ROLE_VIEWER: Role.ValueType  # 5
+"""Reads status, stats and lists, never a task's input or output."""
+Global___Role: _TypeAlias = Role  # noqa: Y015
+
 SQL_FIELD_NUMBER: _builtins.int
+ROLES_FIELD_NUMBER: _builtins.int
+TOOL_FIELD_FIELD_NUMBER: _builtins.int
+AUDITED_FIELD_NUMBER: _builtins.int
 sql: _extension_dict._ExtensionFieldDescriptor[_descriptor_pb2.MethodOptions, _builtins.str]
+"""The SQL the RPC runs: request fields become the statement's named parameters (`%(name)s`,
+psycopg style) and the returned rows become the response.
+"""
+roles: _extension_dict._ExtensionFieldDescriptor[_descriptor_pb2.MethodOptions, _containers.RepeatedScalarFieldContainer[Global___Role.ValueType]]
+"""The roles that may call the RPC besides ROLE_OPERATOR (none: operators only)."""
+tool_field: _extension_dict._ExtensionFieldDescriptor[_descriptor_pb2.MethodOptions, _builtins.str]
+"""The request field that names the tool the call acts on, for a token restricted to tools:
+`tool_id`, `name` (a tool's name), `task_id` (the task's tool), or `tasks.task_id` (each
+item's task's tool). Empty: the RPC acts on no one tool, and a restricted token may call it
+only if it reads nothing of another tool's tasks.
+"""
+audited: _extension_dict._ExtensionFieldDescriptor[_descriptor_pb2.MethodOptions, _builtins.bool]
+"""A change an operator must be able to trace: who called it, when and with what request is
+written to generation.audit in the transaction of the change.
+"""

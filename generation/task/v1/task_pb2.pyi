@@ -2587,3 +2587,86 @@ class GetStatsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetStatsResponse: _TypeAlias = GetStatsResponse  # noqa: Y015
+
+@_typing.final
+class ListAuditEntriesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LIMIT_FIELD_NUMBER: _builtins.int
+    BEFORE_ID_FIELD_NUMBER: _builtins.int
+    limit: _builtins.int
+    """0 means the default, 500; at most 10,000."""
+    before_id: _builtins.int
+    """Entries older than this one (0: from the newest)."""
+    def __init__(
+        self,
+        *,
+        limit: _builtins.int = ...,
+        before_id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["before_id", b"before_id", "limit", b"limit"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListAuditEntriesRequest: _TypeAlias = ListAuditEntriesRequest  # noqa: Y015
+
+@_typing.final
+class AuditEntry(_message.Message):
+    """One audited change: who made it, when, and the request (or command) that made it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    AT_FIELD_NUMBER: _builtins.int
+    ACTOR_FIELD_NUMBER: _builtins.int
+    ACTION_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    actor: _builtins.str
+    """The caller: `token:<id> (<note>)`, `cert:<subject>`, `anonymous`, or `cli:<user>@<host>`."""
+    action: _builtins.str
+    """The RPC or the CLI command."""
+    @_builtins.property
+    def at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def detail(self) -> _struct_pb2.Struct:
+        """The request, as JSON."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        at: _timestamp_pb2.Timestamp | None = ...,
+        actor: _builtins.str = ...,
+        action: _builtins.str = ...,
+        detail: _struct_pb2.Struct | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "detail", b"detail"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "actor", b"actor", "at", b"at", "detail", b"detail", "id", b"id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AuditEntry: _TypeAlias = AuditEntry  # noqa: Y015
+
+@_typing.final
+class ListAuditEntriesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___AuditEntry]: ...
+    def __init__(
+        self,
+        *,
+        entries: _abc.Iterable[Global___AuditEntry] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListAuditEntriesResponse: _TypeAlias = ListAuditEntriesResponse  # noqa: Y015

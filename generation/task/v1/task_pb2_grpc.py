@@ -184,6 +184,11 @@ class GenerationDataServiceStub:
                 request_serializer=generation_dot_task_dot_v1_dot_task__pb2.WatchTaskEventsRequest.SerializeToString,
                 response_deserializer=generation_dot_task_dot_v1_dot_task__pb2.WatchTaskEventsResponse.FromString,
                 _registered_method=True)
+        self.ListAuditEntries = channel.unary_unary(
+                '/generation.task.v1.GenerationDataService/ListAuditEntries',
+                request_serializer=generation_dot_task_dot_v1_dot_task__pb2.ListAuditEntriesRequest.SerializeToString,
+                response_deserializer=generation_dot_task_dot_v1_dot_task__pb2.ListAuditEntriesResponse.FromString,
+                _registered_method=True)
         self.ListUnsettledTasks = channel.unary_unary(
                 '/generation.task.v1.GenerationDataService/ListUnsettledTasks',
                 request_serializer=generation_dot_task_dot_v1_dot_task__pb2.ListUnsettledTasksRequest.SerializeToString,
@@ -467,9 +472,17 @@ class GenerationDataServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def ListUnsettledTasks(self, request, context):
+    def ListAuditEntries(self, request, context):
         """Terminal tasks holding a reservation that no settlement has settled yet, oldest first.
+        The audit log, newest first: every audited change (the `audited` option), and the token
+        changes made with `genq token`. `before_id` pages on from the last entry shown.
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListUnsettledTasks(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -632,6 +645,11 @@ def add_GenerationDataServiceServicer_to_server(servicer, server):
                     servicer.WatchTaskEvents,
                     request_deserializer=generation_dot_task_dot_v1_dot_task__pb2.WatchTaskEventsRequest.FromString,
                     response_serializer=generation_dot_task_dot_v1_dot_task__pb2.WatchTaskEventsResponse.SerializeToString,
+            ),
+            'ListAuditEntries': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAuditEntries,
+                    request_deserializer=generation_dot_task_dot_v1_dot_task__pb2.ListAuditEntriesRequest.FromString,
+                    response_serializer=generation_dot_task_dot_v1_dot_task__pb2.ListAuditEntriesResponse.SerializeToString,
             ),
             'ListUnsettledTasks': grpc.unary_unary_rpc_method_handler(
                     servicer.ListUnsettledTasks,
@@ -1432,6 +1450,33 @@ class GenerationDataService:
             '/generation.task.v1.GenerationDataService/WatchTaskEvents',
             generation_dot_task_dot_v1_dot_task__pb2.WatchTaskEventsRequest.SerializeToString,
             generation_dot_task_dot_v1_dot_task__pb2.WatchTaskEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAuditEntries(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/generation.task.v1.GenerationDataService/ListAuditEntries',
+            generation_dot_task_dot_v1_dot_task__pb2.ListAuditEntriesRequest.SerializeToString,
+            generation_dot_task_dot_v1_dot_task__pb2.ListAuditEntriesResponse.FromString,
             options,
             channel_credentials,
             insecure,

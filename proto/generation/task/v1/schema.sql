@@ -268,6 +268,35 @@ CREATE TABLE generation.leader (
     expires_at timestamptz NOT NULL
 );
 
+-- API tokens (alembic 0008): a caller presents `genq_<id>_<secret>`; only the secret's SHA-256 is
+-- stored, so a stolen backup holds no credential. Revoked or expired rows stop working on every
+-- replica within the service's token cache time (30 s).
+CREATE TABLE generation.tokens (
+    id uuid PRIMARY KEY DEFAULT gen_random_uuid(),
+    secret_sha256 bytea NOT NULL,
+    roles text[] NOT NULL,
+    -- The tools the token reaches (empty: every tool).
+    tools text[] NOT NULL DEFAULT '{}',
+    note text NOT NULL DEFAULT '',
+    created_at timestamptz NOT NULL DEFAULT now(),
+    expires_at timestamptz,
+    revoked_at timestamptz,
+    CONSTRAINT tokens_roles_known CHECK (
+        cardinality(roles) >= 1
+        AND roles <@ ARRAY['gateway', 'worker', 'reconciler', 'operator', 'viewer']),
+    CONSTRAINT tokens_secret_length CHECK (octet_length(secret_sha256) = 32)
+);
+
+-- Who changed what, when (alembic 0008): one row per audited RPC, written in the change's own
+-- transaction, and per `genq token` command.
+CREATE TABLE generation.audit (
+    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    at timestamptz NOT NULL DEFAULT now(),
+    actor text NOT NULL,
+    action text NOT NULL,
+    detail jsonb NOT NULL DEFAULT '{}'
+);
+
 -- The write transitions, one function each (docs/ARCHITECTURE.md: "Transitions"). Each locks what
 -- it changes first, then decides, in the one lock order: task rows, attempts, settings, tools,
 -- cooldowns and holds, tool_polls. A change adds a `_v2` beside `_v1` (docs/OPERATIONS.md).
