@@ -17,7 +17,7 @@ clause, so two leaders overlapping (a clock that jumps) would be harmless, only 
   per claim needs an index on claim_expires_at, and then every heartbeat would update an indexed
   column and stop being HOT. So the claim reads one index of claimable rows, and this sweep
   moves lapsed rows into it marked `reclaimed`; the next claim takes them first.
-  generation.rescue_lapsed_v1 decides each: an unconfirmed claim costs nothing, a confirmed run
+  generation.rescue_lapsed_v2 decides each: an unconfirmed claim costs nothing, a confirmed run
   one retry (the task fails at once when that was its last), a run asked to cancel ends
   cancelled.
 - Overrides, same interval, in every process (not the leader's job): a process whose environment
@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 
 RESCUE_SQL = (
     "SELECT (r.task).id, (r.task).tool_id, (r.task).status, r.event "
-    "FROM generation.rescue_lapsed_v1(%(batch)s) AS r"
+    "FROM generation.rescue_lapsed_v2(%(batch)s) AS r"
 )
 EXPIRE_SQL = (
     "SELECT (e.task).id, e.event FROM generation.expire_tasks_v1(%(batch)s, %(disabled)s) AS e"

@@ -61,7 +61,7 @@ def tool(row: Row) -> task_pb2.Tool:
         cost_estimate_nanos=row["cost_estimate_nanos"],
         paused=row["paused"],
         spent_today_nanos=_today(row),
-        reserved_nanos=row["reserved_nanos"],
+        reserved_nanos=row["reserved_nanos"] if row["spent_day"] == row["today"] else 0,
     )
     for name in ("lease_seconds", "resource_key", "account_group", "daily_cap_nanos"):
         if row[name] is not None:

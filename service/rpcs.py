@@ -59,7 +59,7 @@ Params = dict[str, Any]
 
 HAND_BACK_SQL = (
     "SELECT c.task_found, c.event, (c.task).* "
-    "FROM generation.release_task_v1(%(task_id)s, %(lease_token)s, 0, true) AS c"
+    "FROM generation.release_task_v2(%(task_id)s, %(lease_token)s, 0, true) AS c"
 )
 """ClaimNextTask's other half: a claim whose caller's deadline passed before its answer left is
 handed straight back, costing nothing (see the RPC's comment in task.proto)."""

@@ -51,18 +51,26 @@ def assert_invariants(db: Db, tool_id: str, acknowledged: list[str] = ()) -> Non
     ).fetchall()
     assert stuck == [], "processing long past its lease"
 
+    # Every counter is the local day's and matches the ledger; the tool's share covers it, and
+    # the settings row's total is the sum of the shares.
     money = db.execute(
-        "SELECT t.reserved_nanos AS reserved, "
-        "       CASE WHEN t.spent_day = (now() AT TIME ZONE s.timezone)::date "
-        "            THEN t.spent_nanos ELSE 0 END AS spent, "
+        "SELECT CASE WHEN t.spent_day = d.today THEN t.reserved_nanos ELSE 0 END AS reserved, "
+        "       CASE WHEN t.spent_day = d.today THEN t.spent_nanos ELSE 0 END AS spent, "
+        "       CASE WHEN t.spent_day = d.today THEN t.granted_nanos ELSE 0 END AS granted, "
         "       (SELECT COALESCE(sum(a.estimate_nanos), 0) FROM generation.attempts AS a "
-        "        WHERE a.tool_id = t.id AND a.outcome = 'running') AS ledger_reserved, "
+        "        WHERE a.tool_id = t.id AND a.outcome = 'running' AND a.local_day = d.today) "
+        "         AS ledger_reserved, "
         "       (SELECT COALESCE(sum(a.cost_nanos), 0) FROM generation.attempts AS a "
-        "        WHERE a.tool_id = t.id "
-        "          AND a.local_day = (now() AT TIME ZONE s.timezone)::date) AS ledger_spent "
-        "FROM generation.tools AS t, generation.settings AS s WHERE t.id = %s",
+        "        WHERE a.tool_id = t.id AND a.local_day = d.today) AS ledger_spent, "
+        "       CASE WHEN s.granted_day = d.today THEN s.granted_nanos ELSE 0 END AS total, "
+        "       (SELECT COALESCE(sum(x.granted_nanos), 0) FROM generation.tools AS x "
+        "        WHERE x.spent_day = d.today) AS shares "
+        "FROM generation.tools AS t, generation.settings AS s, generation.spend_today AS d "
+        "WHERE t.id = %s",
         [tool_id],
     ).fetchone()
     assert money is not None
     assert money["reserved"] == money["ledger_reserved"], money
     assert money["spent"] == money["ledger_spent"], money
+    assert money["spent"] + money["reserved"] <= money["granted"], money
+    assert money["total"] == money["shares"], money

@@ -50,10 +50,14 @@ def cdb(cli_url: str) -> Iterator[Db]:
     with psycopg.connect(cli_url, autocommit=True, row_factory=dict_row) as connection:
         connection.execute(
             "UPDATE generation.settings SET enabled = true, daily_cap_nanos = %s, currency = '', "
-            "timezone = 'UTC', spent_day = NULL, spent_nanos = 0, reserved_nanos = 0, "
+            "timezone = 'UTC', granted_day = NULL, granted_nanos = 0, "
             "cooldown_threshold = 1000, cooldown_seconds = 600, account_hold_seconds = 3600, "
             "retention_days = 30",
             [10 * UNIT],
+        )
+        connection.execute(
+            "UPDATE generation.tools SET spent_day = NULL, spent_nanos = 0, reserved_nanos = 0, "
+            "granted_nanos = 0"
         )
         yield connection
 
@@ -102,7 +106,10 @@ def task_row(db: Db, task_id: str) -> dict[str, Any] | None:
 
 
 def settings_row(db: Db) -> dict[str, Any]:
-    found = db.execute("SELECT * FROM generation.settings").fetchone()
+    found = db.execute(
+        "SELECT s.*, sp.spent_nanos, sp.reserved_nanos "
+        "FROM generation.settings AS s, generation.spend_today AS sp"
+    ).fetchone()
     assert found is not None
     return found
 
@@ -210,10 +217,11 @@ def test_status_exits_4_without_a_cap_or_at_the_cap(
     assert genq(service, "cap", "10").returncode == 0
     assert genq(service, "status").returncode == 0
     # Today's spend plus what running tasks hold reserved reaches the cap: capped.
+    tool = stub.UpsertTool(task_pb2.UpsertToolRequest(name="spent-today")).tool
     cdb.execute(
-        "UPDATE generation.settings SET spent_day = (now() AT TIME ZONE timezone)::date, "
-        "spent_nanos = %s, reserved_nanos = %s",
-        [4 * UNIT, 6 * UNIT],
+        "UPDATE generation.tools SET spent_day = (now() AT TIME ZONE 'UTC')::date, "
+        "spent_nanos = %s, reserved_nanos = %s, granted_nanos = %s WHERE id = %s",
+        [4 * UNIT, 6 * UNIT, 10 * UNIT, tool.id],
     )
     capped = genq(service, "status")
     assert capped.returncode == cli.CAPPED

@@ -185,7 +185,8 @@ def test_spend_reservations_stale_and_dead_tuples(service: Service) -> None:
     scraped = service.scrape()
     status = stub.GetStatus(task_pb2.GetStatusRequest()).status
     (spent, reserved, cap), *_ = service.sql(
-        "SELECT spent_nanos, reserved_nanos, daily_cap_nanos FROM generation.settings"
+        "SELECT sp.spent_nanos, sp.reserved_nanos, s.daily_cap_nanos "
+        "FROM generation.spend_today AS sp, generation.settings AS s"
     )
     assert status.settings.spent_today_nanos == spent >= 123_456
     assert scraped.value("genq_spend_today_nanos") == spent

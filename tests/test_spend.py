@@ -21,6 +21,7 @@ from psycopg.rows import dict_row
 from generation.task.v1 import task_pb2, task_pb2_grpc
 from service import housekeeping
 from tests.conftest import Databases, ServiceProcess, url_for, wait_for
+from tests.invariants import assert_invariants
 from tests.test_server import genq
 from workers_sdk.errors import Reason, from_rpc_error
 
@@ -52,8 +53,12 @@ def sdb(spend_url: str) -> Iterator[Db]:
     with psycopg.connect(spend_url, autocommit=True, row_factory=dict_row) as connection:
         connection.execute(
             "UPDATE generation.settings SET enabled = true, daily_cap_nanos = NULL, "
-            "spent_day = NULL, spent_nanos = 0, reserved_nanos = 0, cooldown_threshold = 2, "
+            "granted_day = NULL, granted_nanos = 0, cooldown_threshold = 2, "
             "cooldown_seconds = 600, account_hold_seconds = 3600"
+        )
+        connection.execute(
+            "UPDATE generation.tools SET spent_day = NULL, spent_nanos = 0, reserved_nanos = 0, "
+            "granted_nanos = 0"
         )
         connection.execute("DELETE FROM generation.cooldowns")
         connection.execute("DELETE FROM generation.holds")
@@ -117,8 +122,7 @@ def idle(stub: Stub, tool_id: str) -> str:
 
 def counters(db: Db) -> dict[str, int]:
     found = db.execute(
-        "SELECT CASE WHEN spent_day = (now() AT TIME ZONE timezone)::date THEN spent_nanos "
-        "ELSE 0 END AS spent, reserved_nanos AS reserved FROM generation.settings"
+        "SELECT spent_nanos AS spent, reserved_nanos AS reserved FROM generation.spend_today"
     ).fetchone()
     assert found is not None
     return found
@@ -145,6 +149,45 @@ def test_no_cap_or_a_zero_cap_runs_nothing_and_uses_no_attempt(stub: Stub, sdb: 
     assert claim(stub, tool_id).task.id == task.id
 
 
+def race_claims(
+    service: ServiceProcess, url: str, tools: list[str], cap: int
+) -> tuple[list[Any], list[dict[str, int]]]:
+    """16 claimers claim 10 times each, each starting at another of `tools`, while a watcher
+    reads the spend counters: what was claimed, and every moment spend passed the cap."""
+    claimed: list[Any] = []
+    over_cap: list[dict[str, int]] = []
+    racing = threading.Event()
+    start = threading.Barrier(16)
+
+    def watch() -> None:
+        with psycopg.connect(url, autocommit=True, row_factory=dict_row) as watcher:
+            while racing.is_set():
+                seen = counters(watcher)
+                if seen["spent"] + seen["reserved"] > cap:
+                    over_cap.append(seen)
+
+    def claimer(number: int) -> None:
+        with grpc.insecure_channel(service.address) as channel:
+            own = task_pb2_grpc.GenerationDataServiceStub(channel)
+            start.wait()
+            for attempt in range(10):
+                answer = claim(own, tools[(number + attempt) % len(tools)])
+                if answer.HasField("task"):
+                    claimed.append(answer)
+
+    racing.set()
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    claimers = [threading.Thread(target=claimer, args=(n,)) for n in range(16)]
+    for thread in claimers:
+        thread.start()
+    for thread in claimers:
+        thread.join(60)
+    racing.clear()
+    watcher.join(10)
+    return claimed, over_cap
+
+
 def test_cap_admits_exactly_k_under_16_concurrent_claimers(
     spend_service: ServiceProcess, stub: Stub, sdb: Db, spend_url: str
 ) -> None:
@@ -156,37 +199,7 @@ def test_cap_admits_exactly_k_under_16_concurrent_claimers(
     tool_id = new_tool(stub, cost_estimate_nanos=estimate)
     for _ in range(40):
         queue(stub, tool_id)
-    claimed: list[Any] = []
-    over_cap: list[dict[str, int]] = []
-    racing = threading.Event()
-    start = threading.Barrier(16)
-
-    def watch() -> None:
-        with psycopg.connect(spend_url, autocommit=True, row_factory=dict_row) as watcher:
-            while racing.is_set():
-                seen = counters(watcher)
-                if seen["spent"] + seen["reserved"] > cap:
-                    over_cap.append(seen)
-
-    def claimer() -> None:
-        with grpc.insecure_channel(spend_service.address) as channel:
-            own = task_pb2_grpc.GenerationDataServiceStub(channel)
-            start.wait()
-            for _ in range(10):
-                answer = claim(own, tool_id)
-                if answer.HasField("task"):
-                    claimed.append(answer)
-
-    racing.set()
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    claimers = [threading.Thread(target=claimer) for _ in range(16)]
-    for thread in claimers:
-        thread.start()
-    for thread in claimers:
-        thread.join(60)
-    racing.clear()
-    watcher.join(10)
+    claimed, over_cap = race_claims(spend_service, spend_url, [tool_id], cap)
 
     assert len(claimed) == admitted
     assert over_cap == []
@@ -204,6 +217,93 @@ def test_cap_admits_exactly_k_under_16_concurrent_claimers(
     ).fetchall()
     assert ledger == [{"outcome": "completed", "n": admitted, "cost": cap // 2}]
     assert claim(stub, tool_id).HasField("task")
+
+
+def test_the_cap_admits_exactly_k_across_8_tools_holding_shares(
+    spend_service: ServiceProcess, stub: Stub, sdb: Db, spend_url: str
+) -> None:
+    """Item 5 of the throughput issue: 8 tools share the global cap in shares of their own; 16
+    claimers racing over them never pass it, and once the race is over the unused shares are
+    taken back so that exactly k estimates are admitted in all."""
+    estimate, admitted = UNIT, 20
+    cap = estimate * admitted
+    set_cap(stub, cap)
+    tools = [new_tool(stub, cost_estimate_nanos=estimate) for _ in range(8)]
+    for tool_id in tools:
+        for _ in range(6):
+            queue(stub, tool_id)
+    claimed, over_cap = race_claims(spend_service, spend_url, tools, cap)
+    for tool_id in tools:  # what the race left in other tools' shares is taken back now
+        while (answer := claim(stub, tool_id)).HasField("task"):
+            claimed.append(answer)
+
+    assert over_cap == []
+    assert len(claimed) == admitted
+    assert counters(sdb) == {"spent": 0, "reserved": cap}
+    assert {idle(stub, tool_id) for tool_id in tools} == {"capped"}
+    for tool_id in tools:
+        assert_invariants(sdb, tool_id)
+
+
+def test_a_paid_claim_within_its_share_waits_for_neither_settings_nor_other_tools(
+    stub: Stub, sdb: Db, spend_url: str
+) -> None:
+    """Paid claims and costed completions of different tools do not serialize on one row: with
+    the settings row and another tool's row locked, a tool whose share has room claims and
+    completes."""
+    set_cap(stub, 1_000 * UNIT)
+    busy, free = (new_tool(stub, cost_estimate_nanos=UNIT) for _ in range(2))
+    for tool_id in (busy, busy, free, free):
+        queue(stub, tool_id)
+    complete(stub, claim(stub, free), cost=UNIT)  # takes the tool's first share
+    with psycopg.connect(spend_url) as blocker:
+        blocker.execute("SELECT 1 FROM generation.settings FOR UPDATE")
+        blocker.execute("SELECT 1 FROM generation.tools WHERE id = %s FOR UPDATE", [busy])
+        answer = stub.ClaimNextTask(task_pb2.ClaimNextTaskRequest(tool_id=free), timeout=10)
+        assert answer.HasField("task")
+        done = stub.CompleteTask(
+            task_pb2.CompleteTaskRequest(
+                task_id=answer.task.id,
+                lease_token=answer.lease_token,
+                reported_usage=task_pb2.ReportedUsage(cost_nanos=UNIT),
+            ),
+            timeout=10,
+        )
+        assert done.task.status == task_pb2.TASK_STATUS_COMPLETED
+        blocker.rollback()
+    assert counters(sdb) == {"spent": 2 * UNIT, "reserved": 0}
+    assert_invariants(sdb, free)
+
+
+def test_a_lowered_cap_takes_back_the_shares_granted_under_the_old_one(stub: Stub, sdb: Db) -> None:
+    set_cap(stub, 100 * UNIT)
+    first, second = (new_tool(stub, cost_estimate_nanos=UNIT) for _ in range(2))
+    for tool_id in (first, first, first, second):
+        queue(stub, tool_id)
+    assert claim(stub, first).HasField("task")  # granted a share well above one estimate
+    set_cap(stub, 2 * UNIT)
+    assert claim(stub, first).HasField("task"), "two estimates fit under the new cap"
+    assert idle(stub, first) == "capped"
+    assert idle(stub, second) == "capped"
+    assert counters(sdb) == {"spent": 0, "reserved": 2 * UNIT}
+    total = sdb.execute("SELECT granted_nanos FROM generation.settings").fetchone()
+    assert total == {"granted_nanos": 2 * UNIT}
+
+
+def test_a_cost_above_its_estimate_grows_the_share_and_counts_against_the_cap(
+    stub: Stub, sdb: Db
+) -> None:
+    set_cap(stub, 10 * UNIT)
+    tool_id = new_tool(stub, cost_estimate_nanos=UNIT)
+    for _ in range(12):
+        queue(stub, tool_id)
+    complete(stub, claim(stub, tool_id), cost=6 * UNIT)
+    assert_invariants(sdb, tool_id)
+    running = [claim(stub, tool_id) for _ in range(4)]
+    assert all(answer.HasField("task") for answer in running), "6 spent + 4 reserved fit"
+    assert idle(stub, tool_id) == "capped"
+    assert counters(sdb) == {"spent": 6 * UNIT, "reserved": 4 * UNIT}
+    assert_invariants(sdb, tool_id)
 
 
 def test_estimate_zero_needs_the_total_strictly_below_the_cap(stub: Stub, sdb: Db) -> None:
@@ -248,13 +348,20 @@ def test_fresh_reads_a_cap_changed_in_the_database_binds_at_once(stub: Stub, sdb
 
 def test_spend_counts_on_the_local_day(stub: Stub, sdb: Db) -> None:
     set_cap(stub, 1_000)
+    tool_id = new_tool(stub, cost_estimate_nanos=1_000)
     sdb.execute(
-        "UPDATE generation.settings SET spent_nanos = 1000, "
-        "spent_day = (now() AT TIME ZONE timezone)::date - 1"
+        "UPDATE generation.tools SET spent_nanos = 600, reserved_nanos = 400, "
+        "granted_nanos = 1000, "
+        "spent_day = (now() AT TIME ZONE 'UTC')::date - 1 WHERE id = %s",
+        [tool_id],
     )
-    tool_id = new_tool(stub)
+    sdb.execute(
+        "UPDATE generation.settings SET granted_nanos = 1000, "
+        "granted_day = (now() AT TIME ZONE 'UTC')::date - 1"
+    )
     queue(stub, tool_id)
-    assert claim(stub, tool_id).HasField("task"), "yesterday's spend does not count today"
+    assert claim(stub, tool_id).HasField("task"), "yesterday's spend and reservations do not count"
+    assert counters(sdb) == {"spent": 0, "reserved": 1_000}
 
 
 # --- B2: kill switch and pauses

@@ -241,7 +241,7 @@ class GenerationDataServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ClaimNextTask(self, request, context):
-        """Claims the next task of a tool (generation.claim_tasks_v1 with a limit of 1: one UPDATE of
+        """Claims the next task of a tool (generation.claim_tasks_v2 with a limit of 1: one UPDATE of
         the row a locked, index-ordered sub-select picked). With `wait`, a claim that finds nothing
         parks in the service until a task for the tool is committed (woken in-process, or through
         Redis from other replicas), re-checking at least every GENQ_CLAIM_RECHECK_SECONDS, and
@@ -250,7 +250,7 @@ class GenerationDataServiceServicer:
         are used up are never claimed. A claim costs no retry: a run is charged when it ends
         unsuccessfully, and only once its worker confirmed the claim (its first heartbeat, event or
         report). When the caller's deadline passes before the answer leaves, the service hands the
-        task straight back (release_task_v1 with p_unconfirmed); an answer lost on the way costs
+        task straight back (release_task_v2 with p_unconfirmed); an answer lost on the way costs
         nothing either: the unconfirmed lease lapses and the task is queued again, first in line.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -277,11 +277,11 @@ class GenerationDataServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def FailTask(self, request, context):
-        """Fails a held task (generation.fail_task_v1): retryable requeues it with full-jitter backoff
+        """Fails a held task (generation.fail_task_v2): retryable requeues it with full-jitter backoff
         while retries remain (one retry used) and fails it once they are used up; permanent fails it
         at once; account requeues it without using a retry and holds the group; cancelled ends it.
         The reaper presents no token: then the task must be stale at this moment (judged under its
-        row lock by generation.stale_reason_v1 with the stored thresholds), so a forced fail can
+        row lock by generation.stale_reason_v2 with the stored thresholds), so a forced fail can
         never kill a live or deliberately waiting task; a refused forced fail is FAILED_PRECONDITION
         with reason TASK_NOT_STALE. Appends a `failed` (terminal) or `requeued` event.
         """
@@ -290,7 +290,7 @@ class GenerationDataServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ClaimTasks(self, request, context):
-        """Claims up to `limit` tasks of a tool in one call (generation.claim_tasks_v1): in claim order,
+        """Claims up to `limit` tasks of a tool in one call (generation.claim_tasks_v2): in claim order,
         spend admitted task by task, stopping at the first the caps have no room for. `wait` as in
         ClaimNextTask: with nothing to claim it parks until a task is committed or the wait runs
         out. Each task has its own lease token; they share the lease length.
@@ -441,8 +441,8 @@ class GenerationDataServiceServicer:
 
     def ListStaleTasks(self, request, context):
         """The watchdog's list: tasks that can never finish on their own (see StaleReason), judged by
-        generation.stale_reason_v1 with the stored thresholds (Settings). The WHERE clause is only
-        what stale_reason_v1 implies, so the indexes narrow the rows it is asked about.
+        generation.stale_reason_v2 with the stored thresholds (Settings). The WHERE clause is only
+        what stale_reason_v2 implies, so the indexes narrow the rows it is asked about.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

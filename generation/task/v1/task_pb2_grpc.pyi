@@ -57,7 +57,7 @@ class GenerationDataServiceStub:
     used are skipped (their tasks are not returned).
     """
     ClaimNextTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.ClaimNextTaskRequest, _task_pb2.ClaimNextTaskResponse]
-    """Claims the next task of a tool (generation.claim_tasks_v1 with a limit of 1: one UPDATE of
+    """Claims the next task of a tool (generation.claim_tasks_v2 with a limit of 1: one UPDATE of
     the row a locked, index-ordered sub-select picked). With `wait`, a claim that finds nothing
     parks in the service until a task for the tool is committed (woken in-process, or through
     Redis from other replicas), re-checking at least every GENQ_CLAIM_RECHECK_SECONDS, and
@@ -66,7 +66,7 @@ class GenerationDataServiceStub:
     are used up are never claimed. A claim costs no retry: a run is charged when it ends
     unsuccessfully, and only once its worker confirmed the claim (its first heartbeat, event or
     report). When the caller's deadline passes before the answer leaves, the service hands the
-    task straight back (release_task_v1 with p_unconfirmed); an answer lost on the way costs
+    task straight back (release_task_v2 with p_unconfirmed); an answer lost on the way costs
     nothing either: the unconfirmed lease lapses and the task is queued again, first in line.
     """
     HeartbeatTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.HeartbeatTaskRequest, _task_pb2.HeartbeatTaskResponse]
@@ -81,16 +81,16 @@ class GenerationDataServiceStub:
     completing again (a retry after a lost answer, or two calls at once) gets the same task back.
     """
     FailTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.FailTaskRequest, _task_pb2.FailTaskResponse]
-    """Fails a held task (generation.fail_task_v1): retryable requeues it with full-jitter backoff
+    """Fails a held task (generation.fail_task_v2): retryable requeues it with full-jitter backoff
     while retries remain (one retry used) and fails it once they are used up; permanent fails it
     at once; account requeues it without using a retry and holds the group; cancelled ends it.
     The reaper presents no token: then the task must be stale at this moment (judged under its
-    row lock by generation.stale_reason_v1 with the stored thresholds), so a forced fail can
+    row lock by generation.stale_reason_v2 with the stored thresholds), so a forced fail can
     never kill a live or deliberately waiting task; a refused forced fail is FAILED_PRECONDITION
     with reason TASK_NOT_STALE. Appends a `failed` (terminal) or `requeued` event.
     """
     ClaimTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.ClaimTasksRequest, _task_pb2.ClaimTasksResponse]
-    """Claims up to `limit` tasks of a tool in one call (generation.claim_tasks_v1): in claim order,
+    """Claims up to `limit` tasks of a tool in one call (generation.claim_tasks_v2): in claim order,
     spend admitted task by task, stopping at the first the caps have no room for. `wait` as in
     ClaimNextTask: with nothing to claim it parks until a task is committed or the wait runs
     out. Each task has its own lease token; they share the lease length.
@@ -165,8 +165,8 @@ class GenerationDataServiceStub:
     """Attempts and cost per local day and tool, from the attempts ledger."""
     ListStaleTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.ListStaleTasksRequest, _task_pb2.ListStaleTasksResponse]
     """The watchdog's list: tasks that can never finish on their own (see StaleReason), judged by
-    generation.stale_reason_v1 with the stored thresholds (Settings). The WHERE clause is only
-    what stale_reason_v1 implies, so the indexes narrow the rows it is asked about.
+    generation.stale_reason_v2 with the stored thresholds (Settings). The WHERE clause is only
+    what stale_reason_v2 implies, so the indexes narrow the rows it is asked about.
     """
     GetTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.GetTaskRequest, _task_pb2.GetTaskResponse]
     """Reads one task."""
@@ -221,7 +221,7 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     used are skipped (their tasks are not returned).
     """
     ClaimNextTask: _aio.UnaryUnaryMultiCallable[_task_pb2.ClaimNextTaskRequest, _task_pb2.ClaimNextTaskResponse]  # type: ignore[assignment]
-    """Claims the next task of a tool (generation.claim_tasks_v1 with a limit of 1: one UPDATE of
+    """Claims the next task of a tool (generation.claim_tasks_v2 with a limit of 1: one UPDATE of
     the row a locked, index-ordered sub-select picked). With `wait`, a claim that finds nothing
     parks in the service until a task for the tool is committed (woken in-process, or through
     Redis from other replicas), re-checking at least every GENQ_CLAIM_RECHECK_SECONDS, and
@@ -230,7 +230,7 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     are used up are never claimed. A claim costs no retry: a run is charged when it ends
     unsuccessfully, and only once its worker confirmed the claim (its first heartbeat, event or
     report). When the caller's deadline passes before the answer leaves, the service hands the
-    task straight back (release_task_v1 with p_unconfirmed); an answer lost on the way costs
+    task straight back (release_task_v2 with p_unconfirmed); an answer lost on the way costs
     nothing either: the unconfirmed lease lapses and the task is queued again, first in line.
     """
     HeartbeatTask: _aio.UnaryUnaryMultiCallable[_task_pb2.HeartbeatTaskRequest, _task_pb2.HeartbeatTaskResponse]  # type: ignore[assignment]
@@ -245,16 +245,16 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     completing again (a retry after a lost answer, or two calls at once) gets the same task back.
     """
     FailTask: _aio.UnaryUnaryMultiCallable[_task_pb2.FailTaskRequest, _task_pb2.FailTaskResponse]  # type: ignore[assignment]
-    """Fails a held task (generation.fail_task_v1): retryable requeues it with full-jitter backoff
+    """Fails a held task (generation.fail_task_v2): retryable requeues it with full-jitter backoff
     while retries remain (one retry used) and fails it once they are used up; permanent fails it
     at once; account requeues it without using a retry and holds the group; cancelled ends it.
     The reaper presents no token: then the task must be stale at this moment (judged under its
-    row lock by generation.stale_reason_v1 with the stored thresholds), so a forced fail can
+    row lock by generation.stale_reason_v2 with the stored thresholds), so a forced fail can
     never kill a live or deliberately waiting task; a refused forced fail is FAILED_PRECONDITION
     with reason TASK_NOT_STALE. Appends a `failed` (terminal) or `requeued` event.
     """
     ClaimTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.ClaimTasksRequest, _task_pb2.ClaimTasksResponse]  # type: ignore[assignment]
-    """Claims up to `limit` tasks of a tool in one call (generation.claim_tasks_v1): in claim order,
+    """Claims up to `limit` tasks of a tool in one call (generation.claim_tasks_v2): in claim order,
     spend admitted task by task, stopping at the first the caps have no room for. `wait` as in
     ClaimNextTask: with nothing to claim it parks until a task is committed or the wait runs
     out. Each task has its own lease token; they share the lease length.
@@ -329,8 +329,8 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     """Attempts and cost per local day and tool, from the attempts ledger."""
     ListStaleTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.ListStaleTasksRequest, _task_pb2.ListStaleTasksResponse]  # type: ignore[assignment]
     """The watchdog's list: tasks that can never finish on their own (see StaleReason), judged by
-    generation.stale_reason_v1 with the stored thresholds (Settings). The WHERE clause is only
-    what stale_reason_v1 implies, so the indexes narrow the rows it is asked about.
+    generation.stale_reason_v2 with the stored thresholds (Settings). The WHERE clause is only
+    what stale_reason_v2 implies, so the indexes narrow the rows it is asked about.
     """
     GetTask: _aio.UnaryUnaryMultiCallable[_task_pb2.GetTaskRequest, _task_pb2.GetTaskResponse]  # type: ignore[assignment]
     """Reads one task."""
@@ -406,7 +406,7 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _task_pb2.ClaimNextTaskRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.ClaimNextTaskResponse, _abc.Awaitable[_task_pb2.ClaimNextTaskResponse]]:
-        """Claims the next task of a tool (generation.claim_tasks_v1 with a limit of 1: one UPDATE of
+        """Claims the next task of a tool (generation.claim_tasks_v2 with a limit of 1: one UPDATE of
         the row a locked, index-ordered sub-select picked). With `wait`, a claim that finds nothing
         parks in the service until a task for the tool is committed (woken in-process, or through
         Redis from other replicas), re-checking at least every GENQ_CLAIM_RECHECK_SECONDS, and
@@ -415,7 +415,7 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         are used up are never claimed. A claim costs no retry: a run is charged when it ends
         unsuccessfully, and only once its worker confirmed the claim (its first heartbeat, event or
         report). When the caller's deadline passes before the answer leaves, the service hands the
-        task straight back (release_task_v1 with p_unconfirmed); an answer lost on the way costs
+        task straight back (release_task_v2 with p_unconfirmed); an answer lost on the way costs
         nothing either: the unconfirmed lease lapses and the task is queued again, first in line.
         """
 
@@ -448,11 +448,11 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _task_pb2.FailTaskRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.FailTaskResponse, _abc.Awaitable[_task_pb2.FailTaskResponse]]:
-        """Fails a held task (generation.fail_task_v1): retryable requeues it with full-jitter backoff
+        """Fails a held task (generation.fail_task_v2): retryable requeues it with full-jitter backoff
         while retries remain (one retry used) and fails it once they are used up; permanent fails it
         at once; account requeues it without using a retry and holds the group; cancelled ends it.
         The reaper presents no token: then the task must be stale at this moment (judged under its
-        row lock by generation.stale_reason_v1 with the stored thresholds), so a forced fail can
+        row lock by generation.stale_reason_v2 with the stored thresholds), so a forced fail can
         never kill a live or deliberately waiting task; a refused forced fail is FAILED_PRECONDITION
         with reason TASK_NOT_STALE. Appends a `failed` (terminal) or `requeued` event.
         """
@@ -463,7 +463,7 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _task_pb2.ClaimTasksRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.ClaimTasksResponse, _abc.Awaitable[_task_pb2.ClaimTasksResponse]]:
-        """Claims up to `limit` tasks of a tool in one call (generation.claim_tasks_v1): in claim order,
+        """Claims up to `limit` tasks of a tool in one call (generation.claim_tasks_v2): in claim order,
         spend admitted task by task, stopping at the first the caps have no room for. `wait` as in
         ClaimNextTask: with nothing to claim it parks until a task is committed or the wait runs
         out. Each task has its own lease token; they share the lease length.
@@ -646,8 +646,8 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.ListStaleTasksResponse, _abc.Awaitable[_task_pb2.ListStaleTasksResponse]]:
         """The watchdog's list: tasks that can never finish on their own (see StaleReason), judged by
-        generation.stale_reason_v1 with the stored thresholds (Settings). The WHERE clause is only
-        what stale_reason_v1 implies, so the indexes narrow the rows it is asked about.
+        generation.stale_reason_v2 with the stored thresholds (Settings). The WHERE clause is only
+        what stale_reason_v2 implies, so the indexes narrow the rows it is asked about.
         """
 
     @_abc_1.abstractmethod

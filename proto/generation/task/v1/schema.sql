@@ -22,12 +22,17 @@ CREATE TABLE generation.tools (
     cost_estimate_nanos bigint NOT NULL DEFAULT 0,
     daily_cap_nanos bigint,
     paused boolean NOT NULL DEFAULT false,
-    -- Spend counters, kept in step with the attempts ledger by the statements that move money.
+    -- Spend counters of the local day `spent_day`, kept in step with the attempts ledger by the
+    -- statements that move money: its spend, its open reservations, and (granted_nanos, below) its
+    -- share of the global cap.
     spent_day date,
     spent_nanos bigint NOT NULL DEFAULT 0,
     reserved_nanos bigint NOT NULL DEFAULT 0,
     -- The last change of the pause or the cap: a deliberate wait ended (the watchdog's clock).
     gates_changed_at timestamptz NOT NULL DEFAULT now(),
+    -- The part of spent_day's global cap granted to this tool (generation.grant_share_v1): it
+    -- covers the tool's spend and reservations, so paid claims lock only their tool's row.
+    granted_nanos bigint NOT NULL DEFAULT 0,
     CONSTRAINT tools_name_key UNIQUE (name),
     CONSTRAINT tools_name_length CHECK (char_length(name) BETWEEN 1 AND 200),
     CONSTRAINT tools_max_attempts_range CHECK (max_attempts BETWEEN 0 AND 100),
@@ -37,7 +42,7 @@ CREATE TABLE generation.tools (
     CONSTRAINT tools_lease_floor CHECK (lease_seconds >= 10),
     CONSTRAINT tools_money_nonnegative
         CHECK (cost_estimate_nanos >= 0 AND daily_cap_nanos >= 0
-               AND spent_nanos >= 0 AND reserved_nanos >= 0)
+               AND spent_nanos >= 0 AND reserved_nanos >= 0 AND granted_nanos >= 0)
 );
 
 CREATE TABLE generation.tasks (
@@ -170,7 +175,8 @@ CREATE TABLE generation.settlements (
     )
 );
 
--- Spend control: one row of global settings and today's spend counters.
+-- Spend control: one row of global settings, and the total of the shares of the global cap
+-- granted to the tools for the local day granted_day (the spend itself is counted per tool).
 CREATE TABLE generation.settings (
     id boolean PRIMARY KEY DEFAULT true,
     enabled boolean NOT NULL DEFAULT true,
@@ -181,17 +187,16 @@ CREATE TABLE generation.settings (
     cooldown_seconds integer NOT NULL DEFAULT 600,
     account_hold_seconds integer NOT NULL DEFAULT 3600,
     retention_days integer NOT NULL DEFAULT 30,
-    spent_day date,
-    spent_nanos bigint NOT NULL DEFAULT 0,
-    reserved_nanos bigint NOT NULL DEFAULT 0,
-    -- What "stale" means (generation.stale_reason_v1).
+    granted_day date,
+    -- What "stale" means (generation.stale_reason_v2).
     processing_grace_seconds integer NOT NULL DEFAULT 120,
     queued_max_age_seconds integer NOT NULL DEFAULT 900,
     -- The last change of the switch or the cap: a deliberate wait ended (the watchdog's clock).
     gates_changed_at timestamptz NOT NULL DEFAULT now(),
+    granted_nanos bigint NOT NULL DEFAULT 0,
     CONSTRAINT settings_singleton CHECK (id),
     CONSTRAINT settings_cap_nonnegative CHECK (daily_cap_nanos >= 0),
-    CONSTRAINT settings_counters_nonnegative CHECK (spent_nanos >= 0 AND reserved_nanos >= 0),
+    CONSTRAINT settings_granted_nonnegative CHECK (granted_nanos >= 0),
     CONSTRAINT settings_cooldown_threshold_positive CHECK (cooldown_threshold >= 1),
     CONSTRAINT settings_durations_nonnegative
         CHECK (cooldown_seconds >= 0 AND account_hold_seconds >= 0 AND retention_days >= 0),
@@ -199,6 +204,16 @@ CREATE TABLE generation.settings (
         CHECK (processing_grace_seconds >= 1 AND queued_max_age_seconds >= 1)
 );
 INSERT INTO generation.settings DEFAULT VALUES;
+
+-- Today's spend and open reservations of every tool together: what the global cap binds
+-- (alembic 0009). Summed on read, so no one row is written by every paid claim.
+CREATE VIEW generation.spend_today AS
+SELECT (now() AT TIME ZONE s.timezone)::date AS today,
+       COALESCE(sum(t.spent_nanos), 0)::bigint AS spent_nanos,
+       COALESCE(sum(t.reserved_nanos), 0)::bigint AS reserved_nanos
+FROM generation.settings AS s
+LEFT JOIN generation.tools AS t ON t.spent_day = (now() AT TIME ZONE s.timezone)::date
+GROUP BY s.timezone;
 
 -- Consecutive retryable failures per resource key (a model, say), and how long it cools.
 CREATE TABLE generation.cooldowns (
@@ -298,7 +313,7 @@ CREATE TABLE generation.audit (
 );
 
 -- The write transitions, one function each (docs/ARCHITECTURE.md: "Transitions"). Each locks what
--- it changes first, then decides, in the one lock order: task rows, attempts, settings, tools,
+-- it changes first, then decides, in the one lock order: task rows, attempts, tools, settings,
 -- cooldowns and holds, tool_polls. A change adds a `_v2` beside `_v1` (docs/OPERATIONS.md).
 
 -- Whether a cost fits under a cap, given the spend counters: spend counts on `today` only, an
@@ -332,12 +347,12 @@ AS $$
 $$;
 
 -- Why a live task can never finish on its own, or NULL: the one definition of "stale" for
--- ListStaleTasks, the status page and the reaper (reap_task_v1), with the stored thresholds.
+-- ListStaleTasks, the status page and the reaper (reap_task_v2), with the stored thresholds.
 -- A queued task is abandoned only when nothing deliberate holds it now (switch, cap, pause) and
 -- it could have run for queued_max_age with no worker asking for its tool's work: the wait
 -- counts from the latest of its queueing, its run_after, a change of the gates, the end of a
 -- cooldown or hold, the start of the local day (a new day's cap), and the last claim call.
-CREATE FUNCTION generation.stale_reason_v1(t generation.tasks) RETURNS text
+CREATE FUNCTION generation.stale_reason_v2(t generation.tasks) RETURNS text
 LANGUAGE sql STABLE
 AS $$
     SELECT CASE
@@ -361,24 +376,27 @@ AS $$
              ) > now() - make_interval(secs => s.queued_max_age_seconds) THEN NULL
         WHEN NOT g.running OR tool.paused OR g.cap = 0 THEN NULL
         WHEN NOT generation.within_cap_v1(
-                s.spent_nanos, s.spent_day, (now() AT TIME ZONE s.timezone)::date, s.reserved_nanos,
+                sp.spent_nanos, sp.today, sp.today, sp.reserved_nanos,
                 COALESCE(t.cost_estimate_nanos, tool.cost_estimate_nanos), g.cap)
           OR NOT generation.within_cap_v1(
-                tool.spent_nanos, tool.spent_day, (now() AT TIME ZONE s.timezone)::date,
-                tool.reserved_nanos, COALESCE(t.cost_estimate_nanos, tool.cost_estimate_nanos),
+                tool.spent_nanos, tool.spent_day, sp.today,
+                CASE WHEN tool.spent_day = sp.today THEN tool.reserved_nanos ELSE 0 END,
+                COALESCE(t.cost_estimate_nanos, tool.cost_estimate_nanos),
                 tool.daily_cap_nanos) THEN NULL
         ELSE 'abandoned'
     END
-    FROM generation.settings AS s, generation.gates_v1(false, NULL) AS g, generation.tools AS tool
+    FROM generation.settings AS s, generation.spend_today AS sp,
+         generation.gates_v1(false, NULL) AS g, generation.tools AS tool
     WHERE tool.id = t.tool_id
 $$;
 
--- Closes the attempt run under a lease and moves its money: the reservation is released (once),
--- the cost is added to the spend of the day the attempt started (also for a late report under a
--- lost lease: billed is billed), and the resource key's cooldown and the account group's hold
--- are kept. A second close of the same attempt changes nothing, so a retried call cannot count
+-- Closes the attempt run under a lease and moves its money on its tool's counters: the
+-- reservation is released (once) and the cost added (also for a late report under a lost lease:
+-- billed is billed) when the attempt started on the counters' day, today (an earlier day's
+-- counters, reservations included, were dropped with that day); the resource key's cooldown and
+-- the account group's hold are kept. A second close of the same attempt changes nothing, so a retried call cannot count
 -- twice. The caller holds the task's row lock.
-CREATE FUNCTION generation.close_attempt_v1(
+CREATE FUNCTION generation.close_attempt_v2(
     p_task uuid, p_token uuid, p_closing generation.attempt_outcome, p_cost bigint,
     p_retryable boolean
 ) RETURNS generation.attempts
@@ -388,6 +406,7 @@ AS $$
 DECLARE
     a generation.attempts;
     s generation.settings;
+    tl generation.tools;
     released bigint;
     today date;
 BEGIN
@@ -399,13 +418,11 @@ BEGIN
         RETURN a;
     END IF;
     released := CASE WHEN a.outcome = 'running' THEN a.estimate_nanos ELSE 0 END;
-    -- 2. Lock the spend rows the money moves on: settings, then the tool.
+    -- 2. Lock the tool's row when money moves on it.
     IF released > 0 OR p_cost > 0 THEN
-        SELECT * INTO s FROM generation.settings FOR NO KEY UPDATE;
         PERFORM 1 FROM generation.tools WHERE id = a.tool_id FOR NO KEY UPDATE;
-    ELSE
-        SELECT * INTO s FROM generation.settings;
     END IF;
+    SELECT * INTO s FROM generation.settings;
     -- 3. Close the run with its cost.
     UPDATE generation.attempts
     SET outcome = CASE WHEN a.outcome = 'running' THEN p_closing ELSE 'lease_lost' END,
@@ -413,20 +430,26 @@ BEGIN
         ended_at = COALESCE(ended_at, now())
     WHERE task_id = a.task_id AND attempt = a.attempt
     RETURNING * INTO a;
-    -- 4. Move the money: release the reservation; the cost counts on the attempt's local day.
+    -- 4. Move the money of an attempt of today: release its reservation, add its cost.
     today := (now() AT TIME ZONE s.timezone)::date;
-    IF released > 0 OR p_cost > 0 THEN
-        UPDATE generation.settings
-        SET spent_nanos = CASE WHEN spent_day = today THEN spent_nanos ELSE 0 END
-                          + CASE WHEN a.local_day = today THEN p_cost ELSE 0 END,
-            spent_day = today,
-            reserved_nanos = reserved_nanos - released;
-        UPDATE generation.tools
-        SET spent_nanos = CASE WHEN spent_day = today THEN spent_nanos ELSE 0 END
-                          + CASE WHEN a.local_day = today THEN p_cost ELSE 0 END,
-            spent_day = today,
-            reserved_nanos = reserved_nanos - released
-        WHERE id = a.tool_id;
+    IF (released > 0 OR p_cost > 0) AND a.local_day = today THEN
+        UPDATE generation.tools AS t
+        SET spent_nanos = CASE WHEN t.spent_day = today THEN t.spent_nanos ELSE 0 END + p_cost,
+            reserved_nanos = CASE WHEN t.spent_day = today THEN t.reserved_nanos - released ELSE 0 END,
+            granted_nanos = CASE WHEN t.spent_day = today THEN t.granted_nanos ELSE 0 END,
+            spent_day = today
+        WHERE t.id = a.tool_id
+        RETURNING t.* INTO tl;
+        -- A cost above the estimate can spend past the tool's share: the grant grows with it
+        -- (billed is billed), so the grants still cover every tool's spend (settings after tools).
+        IF tl.spent_nanos + tl.reserved_nanos > tl.granted_nanos THEN
+            UPDATE generation.settings AS x
+            SET granted_nanos = CASE WHEN x.granted_day = today THEN x.granted_nanos ELSE 0 END
+                                + tl.spent_nanos + tl.reserved_nanos - tl.granted_nanos,
+                granted_day = today;
+            UPDATE generation.tools AS t SET granted_nanos = t.spent_nanos + t.reserved_nanos
+            WHERE t.id = a.tool_id;
+        END IF;
     END IF;
     -- 5. The key's run of failures (a cooldown after cooldown_threshold) and the group's hold.
     IF a.outcome = 'completed' THEN
@@ -484,7 +507,7 @@ $$;
 -- service itself saw the caller's deadline pass before the answer left: that costs the task
 -- nothing at all, so a caller with hopeless deadlines cannot wear out the task at the head of
 -- the line. A task whose cancel was asked for ends cancelled. The caller holds the row lock.
-CREATE FUNCTION generation.hand_back_unconfirmed_v1(t generation.tasks, p_lapsed boolean)
+CREATE FUNCTION generation.hand_back_unconfirmed_v2(t generation.tasks, p_lapsed boolean)
 RETURNS TABLE (task generation.tasks, event jsonb)
 LANGUAGE plpgsql
 AS $$
@@ -510,7 +533,7 @@ BEGIN
         last_event_seq = q.last_event_seq + 1
     WHERE q.id = t.id
     RETURNING q.* INTO back;
-    PERFORM generation.close_attempt_v1(t.id, t.lease_token, 'unconfirmed', 0, false);
+    PERFORM generation.close_attempt_v2(t.id, t.lease_token, 'unconfirmed', 0, false);
     RETURN QUERY SELECT back, generation.append_event_v1(
         t.id, ending::generation.task_event_kind,
         jsonb_build_object('reason', CASE WHEN p_lapsed THEN 'claim answer lost'
@@ -519,12 +542,12 @@ BEGIN
 END
 $$;
 
--- A run whose lease lapsed, decided: an unconfirmed claim costs nothing (hand_back_unconfirmed_v1);
+-- A run whose lease lapsed, decided: an unconfirmed claim costs nothing (hand_back_unconfirmed_v2);
 -- a confirmed run costs one retry and is queued again first in line while retries remain, else
 -- the task fails at once (nobody waits for the reaper); a run whose cancel was asked for ends
 -- cancelled. The attempt is closed abandoned (its reservation released). The caller holds the
 -- task's row lock and its attempt's.
-CREATE FUNCTION generation.end_lapsed_run_v1(t generation.tasks)
+CREATE FUNCTION generation.end_lapsed_run_v2(t generation.tasks)
 RETURNS TABLE (task generation.tasks, event jsonb)
 LANGUAGE plpgsql
 AS $$
@@ -534,7 +557,7 @@ DECLARE
     ending text;
 BEGIN
     IF NOT t.lease_confirmed THEN
-        RETURN QUERY SELECT * FROM generation.hand_back_unconfirmed_v1(t, true);
+        RETURN QUERY SELECT * FROM generation.hand_back_unconfirmed_v2(t, true);
         RETURN;
     END IF;
     prior := t.lease_token;
@@ -553,10 +576,54 @@ BEGIN
         last_event_seq = q.last_event_seq + 1
     WHERE q.id = t.id
     RETURNING q.* INTO t;
-    PERFORM generation.close_attempt_v1(t.id, prior, 'abandoned', 0, false);
+    PERFORM generation.close_attempt_v2(t.id, prior, 'abandoned', 0, false);
     RETURN QUERY SELECT t, generation.append_event_v1(
         t.id, ending::generation.task_event_kind,
         jsonb_build_object('reason', 'lease lapsed', 'error', t.error, 'retry_count', t.retry_count));
+END
+$$;
+
+-- Grants a tool more of today's global cap: the shortfall p_need (negative when a lowered cap
+-- takes back the tool's own unused share) and a sixteenth of what stays free, so that the tool's
+-- next claims find room in their own row. When the free part is short, the unused parts of the
+-- other tools' shares are taken back first. Returns the change of the tool's share and today's
+-- total of grants, or a NULL change when even then the cap has no room. The caller holds the
+-- tool's row lock and writes the tool's share itself.
+CREATE FUNCTION generation.grant_share_v1(p_tool uuid, p_today date, p_need bigint, p_cap bigint)
+RETURNS TABLE (share_change bigint, granted bigint)
+LANGUAGE plpgsql
+AS $$
+#variable_conflict use_column
+DECLARE
+    s generation.settings;
+    total bigint;
+    returned bigint;
+BEGIN
+    -- 1. Lock settings (after the tool's row, in the lock order): today's total of grants.
+    SELECT * INTO s FROM generation.settings FOR NO KEY UPDATE;
+    total := CASE WHEN s.granted_day = p_today THEN s.granted_nanos ELSE 0 END;
+    -- 2. Short: take back the other tools' unused shares. A row another transaction holds is
+    --    skipped, never waited for: waiting after settings' lock could deadlock with its holder.
+    IF total + p_need > p_cap THEN
+        WITH unused AS (
+            SELECT t.id, t.granted_nanos - t.spent_nanos - t.reserved_nanos AS slack
+            FROM generation.tools AS t
+            WHERE t.id <> p_tool AND t.spent_day = p_today
+              AND t.granted_nanos > t.spent_nanos + t.reserved_nanos
+            FOR NO KEY UPDATE SKIP LOCKED),
+        taken AS (
+            UPDATE generation.tools AS t SET granted_nanos = t.spent_nanos + t.reserved_nanos
+            FROM unused WHERE t.id = unused.id
+            RETURNING unused.slack)
+        SELECT COALESCE(sum(taken.slack), 0) INTO returned FROM taken;
+        total := total - returned;
+    END IF;
+    -- 3. Grant, or refuse when the cap has no room.
+    share_change := CASE WHEN total + p_need <= p_cap
+                         THEN p_need + (p_cap - total - p_need) / 16 END;
+    granted := total + COALESCE(share_change, 0);
+    UPDATE generation.settings SET granted_day = p_today, granted_nanos = granted;
+    RETURN NEXT;
 END
 $$;
 
@@ -565,7 +632,7 @@ $$;
 -- a `started` event. Spend is admitted task by task and the batch stops at the first task the
 -- caps have no room for. No retry is charged here: a run is charged when it ends unsuccessfully
 -- (and only once its worker confirmed the claim). With nothing claimed, one row says why.
-CREATE FUNCTION generation.claim_tasks_v1(
+CREATE FUNCTION generation.claim_tasks_v2(
     p_tool uuid, p_limit integer, p_lease_seconds integer, p_disabled boolean, p_cap bigint
 ) RETURNS TABLE (task generation.tasks, lease_seconds integer, idle_reason text, event jsonb)
 LANGUAGE plpgsql
@@ -589,14 +656,16 @@ DECLARE
     groups text[] := '{}';
     admitted uuid[] := '{}';
     spend_locked boolean := false;
-    spend record;
-    tool_spend record;
+    used bigint;
+    share bigint;
+    granted bigint;
+    grant_made record;
     reserving bigint := 0;
     head record;
     has_head boolean;
 BEGIN
     -- 0. The local day cannot move under a claim: a time-zone change that moves it waits for
-    --    claims in flight, and they for it (update_settings_v1).
+    --    claims in flight, and they for it (update_settings_v2).
     PERFORM pg_advisory_xact_lock_shared(1734700658);
     -- 1. Read the gates, unlocked: the tool, the switch and the cap in force, its cooldown/hold.
     SELECT * INTO tool FROM generation.tools WHERE id = p_tool;
@@ -610,6 +679,9 @@ BEGIN
     default_key := COALESCE(tool.resource_key, tool.name);
     default_group := COALESCE(tool.account_group, tool.name);
     lease := COALESCE(tool.lease_seconds, p_lease_seconds);
+    used := CASE WHEN tool.spent_day = today THEN tool.spent_nanos + tool.reserved_nanos ELSE 0 END;
+    share := CASE WHEN tool.spent_day = today THEN tool.granted_nanos ELSE 0 END;
+    granted := CASE WHEN s.granted_day = today THEN s.granted_nanos ELSE 0 END;
     blocked := CASE WHEN NOT g.running THEN 'disabled' WHEN tool.paused THEN 'paused'
                     WHEN g.cap = 0 THEN 'capped' END;
     tool_cooling := EXISTS (SELECT 1 FROM generation.cooldowns AS c
@@ -643,26 +715,33 @@ BEGIN
             groups := groups || picked.account_group;
         END LOOP;
 
-        -- 3. Admit in claim order under the global and the tool's cap. The spend rows are
-        --    locked (settings, then the tool) at the first task carrying an estimate; tasks
-        --    estimated at 0 reserve nothing and read the counters unlocked.
+        -- 3. Admit in claim order under the tool's own cap and within its share of the global
+        --    cap (counters of an earlier day count as nothing). The tool's row is locked at the
+        --    first task carrying an estimate; tasks estimated at 0 reserve nothing and read the
+        --    counters unlocked.
         FOR i IN 1 .. COALESCE(array_length(ids, 1), 0) LOOP
             IF estimates[i] > 0 AND NOT spend_locked THEN
-                SELECT st.spent_nanos, st.spent_day, st.reserved_nanos INTO spend
-                FROM generation.settings AS st FOR NO KEY UPDATE;
-                SELECT t.spent_nanos, t.spent_day, t.reserved_nanos INTO tool_spend
-                FROM generation.tools AS t WHERE t.id = p_tool FOR NO KEY UPDATE;
+                SELECT * INTO tool FROM generation.tools AS t WHERE t.id = p_tool FOR NO KEY UPDATE;
                 spend_locked := true;
-            ELSIF NOT spend_locked THEN
-                SELECT s.spent_nanos, s.spent_day, s.reserved_nanos INTO spend;
-                SELECT tool.spent_nanos, tool.spent_day, tool.reserved_nanos INTO tool_spend;
+                used := CASE WHEN tool.spent_day = today
+                             THEN tool.spent_nanos + tool.reserved_nanos ELSE 0 END;
+                share := CASE WHEN tool.spent_day = today THEN tool.granted_nanos ELSE 0 END;
             END IF;
             EXIT WHEN NOT generation.within_cap_v1(
-                    spend.spent_nanos, spend.spent_day, today, spend.reserved_nanos + reserving,
-                    estimates[i], g.cap)
-                OR NOT generation.within_cap_v1(
-                    tool_spend.spent_nanos, tool_spend.spent_day, today,
-                    tool_spend.reserved_nanos + reserving, estimates[i], tool.daily_cap_nanos);
+                used, today, today, reserving, estimates[i], tool.daily_cap_nanos);
+            IF estimates[i] = 0 THEN
+                -- The grants bound the total spend, and it is below them while this share has
+                -- room: then the total is strictly below the cap.
+                EXIT WHEN NOT (granted < g.cap OR granted <= g.cap AND used + reserving < share);
+            ELSIF used + reserving + estimates[i] > share OR granted > g.cap THEN
+                -- Short of share, or a lowered cap left the grants above it: ask for the
+                -- difference (settings' row is locked only here).
+                SELECT * INTO grant_made FROM generation.grant_share_v1(
+                    p_tool, today, used + reserving + estimates[i] - share, g.cap);
+                EXIT WHEN grant_made.share_change IS NULL;
+                share := share + grant_made.share_change;
+                granted := grant_made.granted;
+            END IF;
             reserving := reserving + estimates[i];
             admitted := admitted || ids[i];
         END LOOP;
@@ -705,14 +784,13 @@ BEGIN
         RETURN;
     END IF;
 
-    -- 6. Reserve the admitted estimates (rows locked in step 3).
+    -- 6. Reserve the admitted estimates in the tool's row (locked in step 3), with its share.
     IF reserving > 0 THEN
-        UPDATE generation.settings AS st
-        SET spent_nanos = CASE WHEN st.spent_day = today THEN st.spent_nanos ELSE 0 END,
-            spent_day = today, reserved_nanos = st.reserved_nanos + reserving;
         UPDATE generation.tools AS t
         SET spent_nanos = CASE WHEN t.spent_day = today THEN t.spent_nanos ELSE 0 END,
-            spent_day = today, reserved_nanos = t.reserved_nanos + reserving
+            reserved_nanos = CASE WHEN t.spent_day = today THEN t.reserved_nanos ELSE 0 END
+                             + reserving,
+            granted_nanos = share, spent_day = today
         WHERE t.id = p_tool;
     END IF;
 
@@ -788,7 +866,7 @@ $$;
 -- it ran (its cost is kept either way). The same lease completing again (a retry after a lost
 -- answer, or a second call racing the first) gets the same task back with nothing changed; any
 -- other caller whose lease is gone changes nothing but its attempt's cost.
-CREATE FUNCTION generation.complete_task_v1(
+CREATE FUNCTION generation.complete_task_v2(
     p_task uuid, p_token uuid, p_output jsonb, p_usage jsonb, p_cost bigint
 ) RETURNS TABLE (task_found boolean, task generation.tasks, event jsonb)
 LANGUAGE plpgsql
@@ -817,7 +895,7 @@ BEGIN
         WHERE q.id = p_task
         RETURNING q.* INTO t;
         -- 3. Close its attempt with the cost; 4. the terminal event, last in the stream.
-        PERFORM generation.close_attempt_v1(
+        PERFORM generation.close_attempt_v2(
             p_task, p_token, t.status::text::generation.attempt_outcome, p_cost, false);
         RETURN QUERY SELECT true, t,
             generation.append_event_v1(p_task, t.status::text::generation.task_event_kind, NULL);
@@ -830,15 +908,15 @@ BEGIN
         RETURN;
     END IF;
     -- 6. Else the lease is lost: keep what the run cost, change nothing else.
-    PERFORM generation.close_attempt_v1(p_task, p_token, 'lease_lost', p_cost, false);
+    PERFORM generation.close_attempt_v2(p_task, p_token, 'lease_lost', p_cost, false);
     RETURN QUERY SELECT true, NULL::generation.tasks, NULL::jsonb;
 END
 $$;
 
--- The reaper's forced fail: a task that is stale right now (stale_reason_v1, judged under the
+-- The reaper's forced fail: a task that is stale right now (stale_reason_v2, judged under the
 -- row lock with the stored thresholds) ends `failed` (a dead zombie: as its lapse decides); any
 -- other is refused, so a forced fail can never kill a live or deliberately waiting task.
-CREATE FUNCTION generation.reap_task_v1(p_task uuid, p_error text)
+CREATE FUNCTION generation.reap_task_v2(p_task uuid, p_error text)
 RETURNS TABLE (task_found boolean, task generation.tasks, event jsonb)
 LANGUAGE plpgsql
 AS $$
@@ -854,7 +932,7 @@ BEGIN
         RETURN QUERY SELECT false, NULL::generation.tasks, NULL::jsonb;
         RETURN;
     END IF;
-    reason := generation.stale_reason_v1(t);
+    reason := generation.stale_reason_v2(t);
     IF reason IS NULL THEN
         RETURN QUERY SELECT true, NULL::generation.tasks, NULL::jsonb;
         RETURN;
@@ -862,7 +940,7 @@ BEGIN
     -- 2. A dead zombie's run is ended as the rescuer would have (it is not running): handed back
     --    when unconfirmed or with retries left, failed only when that was its last run.
     IF t.status = 'processing' THEN
-        RETURN QUERY SELECT true, e.task, e.event FROM generation.end_lapsed_run_v1(t) AS e;
+        RETURN QUERY SELECT true, e.task, e.event FROM generation.end_lapsed_run_v2(t) AS e;
         RETURN;
     END IF;
     -- 3. Fail it.
@@ -874,7 +952,7 @@ BEGIN
     WHERE q.id = p_task
     RETURNING q.* INTO t;
     IF prior IS NOT NULL THEN
-        PERFORM generation.close_attempt_v1(p_task, prior, 'abandoned', 0, false);
+        PERFORM generation.close_attempt_v2(p_task, prior, 'abandoned', 0, false);
     END IF;
     -- 4. The terminal event.
     RETURN QUERY SELECT true, t, generation.append_event_v1(
@@ -887,8 +965,8 @@ $$;
 -- Retryable: one retry used; requeued with full-jitter backoff while retries remain, else failed.
 -- Account: requeued without using a retry (the group is held). Cancelled, or any failure of a run
 -- whose cancel was asked for: cancelled. Permanent: failed. Without a lease token it is the
--- reaper's forced fail (reap_task_v1). A retry by the same lease gets the task as it is now.
-CREATE FUNCTION generation.fail_task_v1(
+-- reaper's forced fail (reap_task_v2). A retry by the same lease gets the task as it is now.
+CREATE FUNCTION generation.fail_task_v2(
     p_task uuid, p_token uuid, p_failure text, p_error text, p_cost bigint
 ) RETURNS TABLE (task_found boolean, forced boolean, task generation.tasks, event jsonb)
 LANGUAGE plpgsql
@@ -901,7 +979,7 @@ DECLARE
     ending text;
 BEGIN
     IF p_token IS NULL THEN
-        RETURN QUERY SELECT r.task_found, true, r.task, r.event FROM generation.reap_task_v1(p_task, p_error) AS r;
+        RETURN QUERY SELECT r.task_found, true, r.task, r.event FROM generation.reap_task_v2(p_task, p_error) AS r;
         RETURN;
     END IF;
     -- 1. Lock the task, then decide.
@@ -935,7 +1013,7 @@ BEGIN
         WHERE q.id = p_task
         RETURNING q.* INTO t;
         -- 3. Close the attempt with its cost; 4. the event (terminal unless requeued).
-        PERFORM generation.close_attempt_v1(
+        PERFORM generation.close_attempt_v2(
             p_task, p_token, ending::generation.attempt_outcome, p_cost,
             p_failure = 'retryable' AND ending <> 'cancelled');
         RETURN QUERY SELECT true, false, t, generation.append_event_v1(
@@ -952,7 +1030,7 @@ BEGIN
         RETURN;
     END IF;
     -- 6. Else the lease is lost: keep what the run cost, change nothing else.
-    PERFORM generation.close_attempt_v1(p_task, p_token, 'lease_lost', p_cost, false);
+    PERFORM generation.close_attempt_v2(p_task, p_token, 'lease_lost', p_cost, false);
     RETURN QUERY SELECT true, false, NULL::generation.tasks, NULL::jsonb;
 END
 $$;
@@ -960,7 +1038,7 @@ $$;
 -- Hands a held task back without using a retry: a worker that stops on purpose (SIGTERM drain)
 -- releases what it could not finish. A run whose cancel was asked for ends cancelled instead.
 -- p_unconfirmed: the service itself hands back a claim whose answer it could not deliver.
-CREATE FUNCTION generation.release_task_v1(
+CREATE FUNCTION generation.release_task_v2(
     p_task uuid, p_token uuid, p_cost bigint, p_unconfirmed boolean
 ) RETURNS TABLE (task_found boolean, task generation.tasks, event jsonb)
 LANGUAGE plpgsql
@@ -984,7 +1062,7 @@ BEGIN
                 RETURN;
             END IF;
             RETURN QUERY SELECT true, h.task, h.event
-                FROM generation.hand_back_unconfirmed_v1(t, false) AS h;
+                FROM generation.hand_back_unconfirmed_v2(t, false) AS h;
             RETURN;
         END IF;
         -- 2. Back to the queue (or cancelled), no retry used.
@@ -1000,7 +1078,7 @@ BEGIN
         WHERE q.id = p_task
         RETURNING q.* INTO t;
         -- 3. Close the attempt with its cost; 4. the event.
-        PERFORM generation.close_attempt_v1(p_task, p_token, ending::generation.attempt_outcome, p_cost, false);
+        PERFORM generation.close_attempt_v2(p_task, p_token, ending::generation.attempt_outcome, p_cost, false);
         RETURN QUERY SELECT true, t, generation.append_event_v1(
             p_task,
             CASE ending WHEN 'cancelled' THEN 'cancelled' ELSE 'requeued' END
@@ -1015,7 +1093,7 @@ BEGIN
         RETURN;
     END IF;
     -- 6. Else the lease is lost: keep what the run cost, change nothing else.
-    PERFORM generation.close_attempt_v1(p_task, p_token, 'lease_lost', p_cost, false);
+    PERFORM generation.close_attempt_v2(p_task, p_token, 'lease_lost', p_cost, false);
     RETURN QUERY SELECT true, NULL::generation.tasks, NULL::jsonb;
 END
 $$;
@@ -1129,8 +1207,8 @@ BEGIN
 END
 $$;
 
--- Hands lapsed leases back, up to p_batch at a time, each decided by end_lapsed_run_v1.
-CREATE FUNCTION generation.rescue_lapsed_v1(p_batch integer)
+-- Hands lapsed leases back, up to p_batch at a time, each decided by end_lapsed_run_v2.
+CREATE FUNCTION generation.rescue_lapsed_v2(p_batch integer)
 RETURNS TABLE (task generation.tasks, event jsonb)
 LANGUAGE plpgsql
 AS $$
@@ -1153,7 +1231,7 @@ BEGIN
     -- 2. End each run.
     FOR i IN 1 .. COALESCE(array_length(ids, 1), 0) LOOP
         SELECT * INTO t FROM generation.tasks WHERE id = ids[i];
-        RETURN QUERY SELECT * FROM generation.end_lapsed_run_v1(t);
+        RETURN QUERY SELECT * FROM generation.end_lapsed_run_v2(t);
     END LOOP;
 END
 $$;
@@ -1271,7 +1349,7 @@ $$;
 -- when a new time zone puts "today" on another date, today's counters and today's attempts move
 -- to the new date. A change of the switch or the cap restarts the watchdog's clock of every
 -- waiting task (a deliberate wait just ended).
-CREATE FUNCTION generation.update_settings_v1(
+CREATE FUNCTION generation.update_settings_v2(
     p_enabled boolean, p_cap bigint, p_clear_cap boolean, p_currency text, p_timezone text,
     p_cooldown_threshold integer, p_cooldown_seconds integer, p_account_hold_seconds integer,
     p_retention_days integer, p_processing_grace_seconds integer, p_queued_max_age_seconds integer
@@ -1292,9 +1370,10 @@ BEGIN
     SELECT * INTO s FROM generation.settings;
     old_today := (now() AT TIME ZONE s.timezone)::date;
     new_today := (now() AT TIME ZONE COALESCE(p_timezone, s.timezone))::date;
-    -- 1. Lock today's attempts when their day moves (attempts come before settings).
+    -- 1. Lock today's attempts and tools when their day moves (both come before settings).
     IF new_today <> old_today THEN
         PERFORM 1 FROM generation.attempts WHERE local_day = old_today FOR NO KEY UPDATE;
+        PERFORM 1 FROM generation.tools WHERE spent_day = old_today ORDER BY id FOR NO KEY UPDATE;
     END IF;
     -- 2. Lock settings, then write.
     SELECT * INTO s FROM generation.settings FOR NO KEY UPDATE;
@@ -1309,13 +1388,13 @@ BEGIN
         retention_days = COALESCE(p_retention_days, x.retention_days),
         processing_grace_seconds = COALESCE(p_processing_grace_seconds, x.processing_grace_seconds),
         queued_max_age_seconds = COALESCE(p_queued_max_age_seconds, x.queued_max_age_seconds),
-        spent_day = CASE WHEN x.spent_day = old_today THEN new_today ELSE x.spent_day END,
+        granted_day = CASE WHEN x.granted_day = old_today THEN new_today ELSE x.granted_day END,
         gates_changed_at = CASE
             WHEN p_enabled IS DISTINCT FROM NULL AND p_enabled IS DISTINCT FROM x.enabled
               OR p_clear_cap OR (p_cap IS NOT NULL AND p_cap IS DISTINCT FROM x.daily_cap_nanos)
             THEN now() ELSE x.gates_changed_at END
     RETURNING x.* INTO s;
-    -- 3. Move today's counters and attempts with the day.
+    -- 3. Move today's counters, shares and attempts with the day.
     IF new_today <> old_today THEN
         UPDATE generation.tools SET spent_day = new_today WHERE spent_day = old_today;
         UPDATE generation.attempts SET local_day = new_today WHERE local_day = old_today;
