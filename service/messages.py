@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from google.protobuf import struct_pb2, timestamp_pb2
@@ -11,12 +11,18 @@ from generation.task.v1 import task_pb2
 
 Row = dict[str, Any]
 
+STATUSES = {
+    name.removeprefix("TASK_STATUS_").lower(): number
+    for name, number in task_pb2.TaskStatus.items()
+}
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
 
 def task(row: Row) -> task_pb2.Task:
     message = task_pb2.Task(
         id=str(row["id"]),
         tool_id=str(row["tool_id"]),
-        status=task_pb2.TaskStatus.Value(f"TASK_STATUS_{row['status'].upper()}"),
+        status=STATUSES[row["status"]],
         error=row["error"] or "",
         priority=row["priority"],
         retry_count=row["retry_count"],
@@ -76,8 +82,11 @@ def _struct(target: struct_pb2.Struct, value: dict[str, Any] | None) -> None:
 
 
 def _timestamp(target: timestamp_pb2.Timestamp, value: datetime | None) -> None:
+    # What FromDatetime does, without its time tuple: a third of a batch's answer time.
     if value is not None:
-        target.FromDatetime(value)
+        since = value - EPOCH
+        target.seconds = since.days * 86_400 + since.seconds
+        target.nanos = since.microseconds * 1_000
 
 
 def task_event(event: Row) -> task_pb2.TaskEvent:
