@@ -35,6 +35,7 @@ def task(row: Row) -> task_pb2.Task:
         account_group=row["account_group"] or "",
         attempt_count=row["attempt_count"],
         unconfirmed_claims=row["unconfirmed_claims"],
+        source=row["source"] or "",
     )
     if row["cost_estimate_nanos"] is not None:
         message.cost_estimate_nanos = row["cost_estimate_nanos"]

@@ -119,6 +119,18 @@ def _task_fields(request: task_pb2.QueueTaskRequest, settings: Settings) -> Para
     if request.HasField("ttl"):
         # Whole seconds, rounded up (1 ns lives 1 s); 0 never expires.
         ttl_seconds = ceil(validation.seconds("ttl", request.ttl, most=MAX_TTL_SECONDS)) or None
+    run_at = (
+        validation.timestamp("run_after", request.run_after)
+        if request.HasField("run_after")
+        else None
+    )
+    expires_at = None
+    if request.HasField("expires_at"):
+        if request.HasField("ttl"):
+            raise InvalidArgument("set expires_at or ttl, not both", field="expires_at")
+        expires_at = validation.timestamp("expires_at", request.expires_at)
+        if run_at is not None and expires_at <= run_at:
+            raise InvalidArgument("expires_at must come after run_after", field="expires_at")
     return {
         "input": validation.struct("input", request.input, max_bytes=settings.max_input_bytes),
         "priority": validation.in_range("priority", request.priority, -100, 100),
@@ -135,10 +147,10 @@ def _task_fields(request: task_pb2.QueueTaskRequest, settings: Settings) -> Para
         "idempotency_key": validation.text(
             "idempotency_key", request.idempotency_key, max_length=512
         ),
-        "run_at": validation.timestamp("run_after", request.run_after)
-        if request.HasField("run_after")
-        else None,
+        "run_at": run_at,
         "ttl_seconds": ttl_seconds,
+        "expires_at": expires_at,
+        "source": validation.text("source", request.source, max_length=MAX_NAME),
         "resource_key": validation.text("resource_key", request.resource_key, max_length=MAX_NAME),
         "account_group": validation.text(
             "account_group", request.account_group, max_length=MAX_NAME
@@ -163,8 +175,9 @@ def bind_queue_tasks(request: task_pb2.QueueTasksRequest, settings: Settings) ->
             )
         fields = _task_fields(item, settings)
         fields["input"] = fields["input"].obj
-        if fields["run_at"] is not None:
-            fields["run_at"] = fields["run_at"].isoformat()
+        for moment in ("run_at", "expires_at"):
+            if fields[moment] is not None:
+                fields[moment] = fields[moment].isoformat()
         items.append({"ordinal": ordinal, **fields})
     return {"tool_id": tool_id, "items": Jsonb(items)}
 

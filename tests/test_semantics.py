@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 import psycopg
 import pytest
+from google.protobuf import duration_pb2, timestamp_pb2
 
 from generation.task.v1 import task_pb2, task_pb2_grpc
 from service.rpcs import STATEMENTS
@@ -71,6 +72,48 @@ def test_queue_task_stores_every_field(stub: Stub, db: Db, tool_id: str) -> None
     assert stored["w3c_traceparent"] == traceparent
     assert stored["input"] == {"prompt": "a cat", "n": 2}
     assert task.status == task_pb2.TASK_STATUS_QUEUED
+
+
+def test_expires_at_and_source_are_kept_by_both_enqueues(stub: Stub, db: Db, tool_id: str) -> None:
+    """B19: an absolute expiry beside ttl, and who enqueued, through QueueTask and QueueTasks."""
+    expiry = timestamp_pb2.Timestamp(seconds=4_102_444_800)  # 2100-01-01
+    one = queue(stub, tool_id, expires_at=expiry, source="nightly-backfill")
+    many = stub.QueueTasks(
+        task_pb2.QueueTasksRequest(
+            tool_id=tool_id,
+            tasks=[task_pb2.QueueTaskRequest(expires_at=expiry, source="api-gateway")],
+        )
+    ).tasks
+    for task, source in ((one, "nightly-backfill"), (many[0], "api-gateway")):
+        assert (task.source, task.expires_at) == (source, expiry)
+        stored = row(db, task.id)
+        assert (stored["source"], int(stored["expires_at"].timestamp())) == (source, expiry.seconds)
+        assert stub.GetTask(task_pb2.GetTaskRequest(task_id=task.id)).task.source == source
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {
+            "expires_at": timestamp_pb2.Timestamp(seconds=4_102_444_800),
+            "ttl": duration_pb2.Duration(seconds=60),
+        },
+        {
+            "expires_at": timestamp_pb2.Timestamp(seconds=4_102_444_800),
+            "run_after": timestamp_pb2.Timestamp(seconds=4_102_444_800),
+        },
+        {"source": "x" * 201},
+    ],
+    ids=["expiry-and-ttl", "expiry-not-after-run-after", "source-too-long"],
+)
+def test_enqueue_options_out_of_bounds_are_invalid(
+    stub: Stub, db: Db, tool_id: str, fields: dict[str, Any]
+) -> None:
+    before = db.execute("SELECT count(*) AS n FROM generation.tasks").fetchone()
+    with pytest.raises(grpc.RpcError) as caught:
+        queue(stub, tool_id, **fields)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert db.execute("SELECT count(*) AS n FROM generation.tasks").fetchone() == before
 
 
 def test_queue_task_defaults(stub: Stub, tool_id: str) -> None:

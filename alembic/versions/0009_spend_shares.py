@@ -1,4 +1,5 @@
-"""Spend shares: the global cap is held per tool, so paid claims lock only their tool's row.
+"""Spend shares: the global cap is held per tool, so paid claims lock only their tool's row;
+and who enqueued each task (`tasks.source`).
 
 Every paid claim and costed completion used to update the one row of `generation.settings`, so
 claims of different tools serialized on it. Now each tool's row carries its share of today's
@@ -60,6 +61,10 @@ ALTER TABLE generation.tools
     ADD CONSTRAINT tools_money_nonnegative
         CHECK (cost_estimate_nanos >= 0 AND daily_cap_nanos >= 0
                AND spent_nanos >= 0 AND reserved_nanos >= 0 AND granted_nanos >= 0);
+
+ALTER TABLE generation.tasks
+    ADD COLUMN source text,
+    ADD CONSTRAINT tasks_source_length CHECK (char_length(source) <= 200);
 
 -- Today's counters from the ledger: what today's attempts cost and still hold reserved.
 UPDATE generation.tools AS t
@@ -854,6 +859,7 @@ SET spent_day = (now() AT TIME ZONE s.timezone)::date,
     spent_nanos = (SELECT COALESCE(sum(t.spent_nanos), 0) FROM generation.tools AS t
                    WHERE t.spent_day = (now() AT TIME ZONE s.timezone)::date),
     reserved_nanos = (SELECT COALESCE(sum(t.reserved_nanos), 0) FROM generation.tools AS t);
+ALTER TABLE generation.tasks DROP COLUMN source;
 ALTER TABLE generation.tools
     DROP CONSTRAINT tools_money_nonnegative,
     DROP COLUMN granted_nanos,

@@ -272,6 +272,7 @@ class Task(_message.Message):
     ATTEMPT_COUNT_FIELD_NUMBER: _builtins.int
     UNCONFIRMED_CLAIMS_FIELD_NUMBER: _builtins.int
     CANCEL_REQUESTED_AT_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     tool_id: _builtins.str
     status: Global___TaskStatus.ValueType
@@ -293,6 +294,8 @@ class Task(_message.Message):
     """Claims whose answer never reached a worker (the lease lapsed unconfirmed): they cost no
     retry; at GENQ's bound (20) the task fails with error "claim answers lost".
     """
+    source: _builtins.str
+    """Who or what enqueued it (QueueTaskRequest.source)."""
     @_builtins.property
     def input(self) -> _struct_pb2.Struct: ...
     @_builtins.property
@@ -348,10 +351,11 @@ class Task(_message.Message):
         attempt_count: _builtins.int = ...,
         unconfirmed_claims: _builtins.int = ...,
         cancel_requested_at: _timestamp_pb2.Timestamp | None = ...,
+        source: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_cost_estimate_nanos", b"_cost_estimate_nanos", "cancel_requested_at", b"cancel_requested_at", "claim_expires_at", b"claim_expires_at", "completed_at", b"completed_at", "cost_estimate_nanos", b"cost_estimate_nanos", "created_at", b"created_at", "expires_at", b"expires_at", "input", b"input", "output", b"output", "reported_usage", b"reported_usage", "run_at", b"run_at", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cost_estimate_nanos", b"_cost_estimate_nanos", "account_group", b"account_group", "attempt_count", b"attempt_count", "billing_idempotency_key", b"billing_idempotency_key", "cancel_requested_at", b"cancel_requested_at", "claim_expires_at", b"claim_expires_at", "completed_at", b"completed_at", "cost_estimate_nanos", b"cost_estimate_nanos", "created_at", b"created_at", "error", b"error", "expires_at", b"expires_at", "id", b"id", "idempotency_key", b"idempotency_key", "input", b"input", "max_retries", b"max_retries", "output", b"output", "priority", b"priority", "reported_usage", b"reported_usage", "reserved_token_amount", b"reserved_token_amount", "resource_key", b"resource_key", "retry_count", b"retry_count", "run_at", b"run_at", "started_at", b"started_at", "status", b"status", "tool_id", b"tool_id", "unconfirmed_claims", b"unconfirmed_claims", "w3c_traceparent", b"w3c_traceparent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cost_estimate_nanos", b"_cost_estimate_nanos", "account_group", b"account_group", "attempt_count", b"attempt_count", "billing_idempotency_key", b"billing_idempotency_key", "cancel_requested_at", b"cancel_requested_at", "claim_expires_at", b"claim_expires_at", "completed_at", b"completed_at", "cost_estimate_nanos", b"cost_estimate_nanos", "created_at", b"created_at", "error", b"error", "expires_at", b"expires_at", "id", b"id", "idempotency_key", b"idempotency_key", "input", b"input", "max_retries", b"max_retries", "output", b"output", "priority", b"priority", "reported_usage", b"reported_usage", "reserved_token_amount", b"reserved_token_amount", "resource_key", b"resource_key", "retry_count", b"retry_count", "run_at", b"run_at", "source", b"source", "started_at", b"started_at", "status", b"status", "tool_id", b"tool_id", "unconfirmed_claims", b"unconfirmed_claims", "w3c_traceparent", b"w3c_traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__cost_estimate_nanos: _TypeAlias = _typing.Literal["cost_estimate_nanos"]  # noqa: Y015
     _WhichOneofArgType__cost_estimate_nanos: _TypeAlias = _typing.Literal["_cost_estimate_nanos", b"_cost_estimate_nanos"]  # noqa: Y015
@@ -529,6 +533,8 @@ class QueueTaskRequest(_message.Message):
     RESOURCE_KEY_FIELD_NUMBER: _builtins.int
     ACCOUNT_GROUP_FIELD_NUMBER: _builtins.int
     COST_ESTIMATE_NANOS_FIELD_NUMBER: _builtins.int
+    EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
     tool_id: _builtins.str
     priority: _builtins.int
     """-100 to 100; higher is claimed sooner. Default 0."""
@@ -546,6 +552,10 @@ class QueueTaskRequest(_message.Message):
     """Overrides of the tool's settings for this task."""
     account_group: _builtins.str
     cost_estimate_nanos: _builtins.int
+    source: _builtins.str
+    """Who or what enqueued the task (a service, a batch job), shown in lists and on the status
+    page; at most 200 characters.
+    """
     @_builtins.property
     def input(self) -> _struct_pb2.Struct: ...
     @_builtins.property
@@ -555,6 +565,12 @@ class QueueTaskRequest(_message.Message):
     @_builtins.property
     def ttl(self) -> _duration_pb2.Duration:
         """Expires this long after run_after if still queued; unset: 7 days; 0: never."""
+
+    @_builtins.property
+    def expires_at(self) -> _timestamp_pb2.Timestamp:
+        """Expires at this moment if still queued (instead of a ttl: set one or neither); it must come
+        after run_after.
+        """
 
     def __init__(
         self,
@@ -573,10 +589,12 @@ class QueueTaskRequest(_message.Message):
         resource_key: _builtins.str = ...,
         account_group: _builtins.str = ...,
         cost_estimate_nanos: _builtins.int | None = ...,
+        expires_at: _timestamp_pb2.Timestamp | None = ...,
+        source: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_cost_estimate_nanos", b"_cost_estimate_nanos", "_max_retries", b"_max_retries", "_priority", b"_priority", "cost_estimate_nanos", b"cost_estimate_nanos", "input", b"input", "max_retries", b"max_retries", "priority", b"priority", "run_after", b"run_after", "ttl", b"ttl"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cost_estimate_nanos", b"_cost_estimate_nanos", "_max_retries", b"_max_retries", "_priority", b"_priority", "cost_estimate_nanos", b"cost_estimate_nanos", "expires_at", b"expires_at", "input", b"input", "max_retries", b"max_retries", "priority", b"priority", "run_after", b"run_after", "ttl", b"ttl"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cost_estimate_nanos", b"_cost_estimate_nanos", "_max_retries", b"_max_retries", "_priority", b"_priority", "account_group", b"account_group", "billing_idempotency_key", b"billing_idempotency_key", "cost_estimate_nanos", b"cost_estimate_nanos", "idempotency_key", b"idempotency_key", "input", b"input", "max_retries", b"max_retries", "on_conflict", b"on_conflict", "priority", b"priority", "reserved_token_amount", b"reserved_token_amount", "resource_key", b"resource_key", "run_after", b"run_after", "tool_id", b"tool_id", "ttl", b"ttl", "w3c_traceparent", b"w3c_traceparent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cost_estimate_nanos", b"_cost_estimate_nanos", "_max_retries", b"_max_retries", "_priority", b"_priority", "account_group", b"account_group", "billing_idempotency_key", b"billing_idempotency_key", "cost_estimate_nanos", b"cost_estimate_nanos", "expires_at", b"expires_at", "idempotency_key", b"idempotency_key", "input", b"input", "max_retries", b"max_retries", "on_conflict", b"on_conflict", "priority", b"priority", "reserved_token_amount", b"reserved_token_amount", "resource_key", b"resource_key", "run_after", b"run_after", "source", b"source", "tool_id", b"tool_id", "ttl", b"ttl", "w3c_traceparent", b"w3c_traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__cost_estimate_nanos: _TypeAlias = _typing.Literal["cost_estimate_nanos"]  # noqa: Y015
     _WhichOneofArgType__cost_estimate_nanos: _TypeAlias = _typing.Literal["_cost_estimate_nanos", b"_cost_estimate_nanos"]  # noqa: Y015

@@ -91,13 +91,16 @@ CREATE TABLE generation.tasks (
     cancel_requested_at timestamptz,
     -- The sequence of the task's last event (events count per task).
     last_event_seq bigint NOT NULL DEFAULT 0,
+    -- Who or what enqueued it (alembic 0009).
+    source text,
     CONSTRAINT tasks_priority_range CHECK (priority BETWEEN -100 AND 100),
     CONSTRAINT tasks_max_retries_range CHECK (max_retries BETWEEN 0 AND 100),
     CONSTRAINT tasks_retry_count_nonnegative CHECK (retry_count >= 0),
     CONSTRAINT tasks_reserved_nonnegative CHECK (reserved_token_amount >= 0),
     CONSTRAINT tasks_lease_held_while_processing
         CHECK ((status = 'processing') = (lease_token IS NOT NULL AND claim_expires_at IS NOT NULL)),
-    CONSTRAINT tasks_cost_estimate_nonnegative CHECK (cost_estimate_nanos >= 0)
+    CONSTRAINT tasks_cost_estimate_nonnegative CHECK (cost_estimate_nanos >= 0),
+    CONSTRAINT tasks_source_length CHECK (char_length(source) <= 200)
 )
 -- A hot queue: leave room on each page so heartbeats stay HOT, and vacuum after a few
 -- thousand dead rows instead of 20 % of the table.
