@@ -20,6 +20,13 @@ as a client sees it. With psutil (installed with the service extra), it also pri
 party used.
 
 The bar (docs/BENCHMARKS.md, GUIDE.md section 4): grpc tasks/s >= 0.5 x raw tasks/s.
+
+    .venv/bin/python bench/claim_complete.py --processes 1,2 --clients 8 --seconds 15
+
+instead runs only the grpc phase, once per value, each time with a service of its own started at
+GENQ_PROCESSES=value (the queue reloaded before each), and prints each ratio to the first: the
+bar of issue 9, GENQ_PROCESSES=2 vs 1 on the single-task path, > 1 x. The service's CPU counts
+all its processes (the parent and the children it spawns).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -160,6 +168,15 @@ def load_queue(url: str, tasks: int) -> None:
         # give them, or the planner guesses hundreds of rows each (and JIT-compiles the claim).
         connection.execute("VACUUM ANALYZE")
         connection.execute("CHECKPOINT")
+
+
+def describe(url: str) -> str:
+    """The server's version and its durability/vacuum settings, as a line's opening."""
+    config = server_settings(url)
+    return (
+        f"PostgreSQL {config.pop('server_version')} "
+        f"({', '.join(f'{name}={value}' for name, value in config.items())})"
+    )
 
 
 def server_settings(url: str) -> dict[str, str]:
@@ -468,6 +485,14 @@ class CpuMeter:
             ).fetchall()
         return [int(pid) for (pid,) in rows]
 
+    def _service_pids(self) -> list[int]:
+        """The service's process and its children (GENQ_PROCESSES > 1 spawns one per process)."""
+        pids = list(self.groups["service"])
+        for pid in self.groups["service"]:
+            with _quiet():
+                pids += [child.pid for child in psutil.Process(pid).children(recursive=True)]
+        return pids
+
     def _snapshot(self, postgres: list[int]) -> dict[int, float]:
         seconds: dict[int, float] = {}
         for pid in [*self.groups["service"], *self.groups["clients"], *postgres]:
@@ -480,6 +505,7 @@ class CpuMeter:
         if psutil is None:
             return
         self.postgres = self._postgres_pids()
+        self.groups["service"] = self._service_pids()
         self.start, self.start_busy = self._snapshot(self.postgres), self._busy()
         self.start_time = time.monotonic()
 
@@ -526,6 +552,7 @@ class Result:
     empty_claims: int
     errors: Counter[str]
     cores: dict[str, float]
+    claim_p99_ms: float | None = None
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -533,6 +560,31 @@ def percentile(values: list[float], q: float) -> float:
         return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def split(total: int, parts: int) -> list[int]:
+    """`total` spread over `parts` as evenly as can be (the first ones get the remainder)."""
+    return [total // parts + (n < total % parts) for n in range(parts)]
+
+
+def spawn(target: Any, argument: Any) -> tuple[BaseProcess, Connection]:
+    """`target(argument, pipe)` in a spawned daemon process; our end of the pipe beside it."""
+    parent, child = multiprocessing.get_context("spawn").Pipe()
+    process = multiprocessing.get_context("spawn").Process(
+        target=target, args=(argument, child), daemon=True
+    )
+    process.start()
+    child.close()
+    return process, parent
+
+
+def reap(workers: list[tuple[BaseProcess, Connection]]) -> None:
+    """Closes the pipes and joins the processes (killed after 10 s)."""
+    for process, pipe in workers:
+        pipe.close()
+        process.join(10)
+        if process.is_alive():
+            process.kill()
 
 
 def run_clients(
@@ -544,17 +596,11 @@ def run_clients(
     url: str,
 ) -> Result:
     """K loops over P client processes, all started together on one measured window."""
-    context = multiprocessing.get_context("spawn")
     procs = min(args.client_procs, args.clients)
-    shares = [args.clients // procs + (n < args.clients % procs) for n in range(procs)]
-    workers = []
-    for n, loops in enumerate(shares):
-        parent, child = context.Pipe()
-        job = Job(kind, loops, target, settings, seed=args.seed + n, cost_nanos=args.cost_nanos)
-        process = context.Process(target=worker, args=(job, child), daemon=True)
-        process.start()
-        child.close()
-        workers.append((process, parent))
+    workers = [
+        spawn(worker, Job(kind, loops, target, settings, args.seed + n, args.cost_nanos))
+        for n, loops in enumerate(split(args.clients, procs))
+    ]
     try:
         for _, pipe in workers:
             if not pipe.poll(60):
@@ -582,11 +628,7 @@ def run_clients(
                 raise SystemExit(f"{kind} client process failed: {tally!r}")
             total.merge(tally)
     finally:
-        for process, pipe in workers:
-            pipe.close()
-            process.join(10)
-            if process.is_alive():
-                process.kill()
+        reap(workers)
     return Result(
         name=f"{kind} (psycopg)" if kind == "raw" else kind,
         tasks_per_second=len(total.pairs) / args.seconds,
@@ -597,6 +639,7 @@ def run_clients(
         empty_claims=total.empty_claims,
         errors=total.errors,
         cores=cores,
+        claim_p99_ms=percentile(total.claims, 0.99) * 1000,
     )
 
 
@@ -638,13 +681,21 @@ def pgbench_script(settings: Settings, cost_nanos: int) -> tuple[str, list[str]]
     return script, [f"{name}={value}" for name, value in variables.items()]
 
 
-def run_pgbench(args: argparse.Namespace, url: str, settings: Settings) -> Result:
-    """pgbench logs every transaction (-l): the same window and percentiles as the other phases."""
+def run_pgbench(
+    args: argparse.Namespace,
+    url: str,
+    settings: Settings,
+    bound: tuple[str, list[str]] | None = None,
+    name: str = "pgbench",
+) -> Result:
+    """pgbench logs every transaction (-l): the same window and percentiles as the other phases.
+    `bound`: a pgbench script and its -D variables (default: the service's two statements,
+    `pgbench_script`); `name`: the result's."""
     pgbench = shutil.which("pgbench")
     assert pgbench is not None
     with tempfile.TemporaryDirectory(prefix="genq_bench_pgbench_") as directory:
         script = Path(directory) / "claim_complete.sql"
-        text, variables = pgbench_script(settings, args.cost_nanos)
+        text, variables = bound or pgbench_script(settings, args.cost_nanos)
         script.write_text(text)
         command = [
             pgbench,
@@ -690,7 +741,7 @@ def run_pgbench(args: argparse.Namespace, url: str, settings: Settings) -> Resul
                 if measure <= finished <= end:
                     latencies.append(int(fields[2]) / 1e6)
     return Result(
-        name="pgbench",
+        name=name,
         tasks_per_second=len(latencies) / args.seconds,
         pairs=len(latencies),
         p50_ms=percentile(latencies, 0.5) * 1000,
@@ -769,29 +820,78 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1000,
         help="reported_usage.cost_nanos of each completion (1000; 0 skips the spend accounting)",
     )
+    parser.add_argument(
+        "--processes",
+        type=lambda text: [int(n) for n in text.split(",") if n],
+        default=[],
+        metavar="P1,P2",
+        help="instead of the phases: the grpc phase once per value, each with a service of its "
+        "own at GENQ_PROCESSES=value, e.g. 1,2; prints each ratio to the first",
+    )
     parser.add_argument("--seed", type=int, default=1, help="seed of the tool choice (1)")
     args = parser.parse_args(argv)
     if args.clients < 1 or args.client_procs < 1 or args.seconds <= 0 or args.tasks < 1:
         parser.error("--clients, --client-procs, --seconds and --tasks must be positive")
     if unknown := set(args.phases) - set(PHASES):
         parser.error(f"unknown phases {sorted(unknown)}; known: {', '.join(PHASES)}")
+    if any(n < 1 for n in args.processes):
+        parser.error("--processes values must be positive")
     return args
+
+
+PROCESSES_BAR = 1.0
+"""Issue 9: the grpc phase at GENQ_PROCESSES=2 > 1 x the same at GENQ_PROCESSES=1."""
+
+
+def compare_processes(args: argparse.Namespace, service_env: dict[str, str]) -> int:
+    """The grpc phase with the service at each GENQ_PROCESSES of --processes, in one run: one
+    database, the queue reloaded before each, a service started afresh for each."""
+    results: list[tuple[int, Result]] = []
+    with bench_database() as url:
+        print(
+            f"{describe(url)}, {os.cpu_count()} CPUs; {args.tasks:,} tasks over {TOOLS} tools; "
+            f"{args.clients} clients in {min(args.client_procs, args.clients)} client "
+            f"process(es); {args.warmup:g} s warm-up + {args.seconds:g} s measured per phase; "
+            f"grpc phase at GENQ_PROCESSES={','.join(map(str, args.processes))}"
+        )
+        for processes in args.processes:
+            load_queue(url, args.tasks)
+            service = Service(url, {**service_env, "GENQ_PROCESSES": str(processes)})
+            try:
+                service.wait_serving()
+                result = run_clients(
+                    "grpc", args, service.address, service.settings(), service.process.pid, url
+                )
+            finally:
+                service.stop()
+            result.name = f"grpc P={processes}"
+            report(result, args.clients)
+            results.append((processes, result))
+    first, baseline = results[0]
+    for processes, result in results[1:]:
+        if baseline.tasks_per_second:
+            ratio = result.tasks_per_second / baseline.tasks_per_second
+            verdict = "meets" if ratio > PROCESSES_BAR else "MISSES"
+            print(
+                f"ratio grpc GENQ_PROCESSES={processes} / GENQ_PROCESSES={first}: {ratio:.2f} "
+                f"(bar > {PROCESSES_BAR:g} x: {verdict})"
+            )
+    return 1 if any(r.errors or r.empty_claims for _, r in results) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     service_env = dict(item.split("=", 1) for item in args.service_env)
+    if args.processes:
+        return compare_processes(args, service_env)
     phases = args.phases
     if "pgbench" in phases and not shutil.which("pgbench"):
         print("pgbench not found: skipping its phase")
         phases = [phase for phase in phases if phase != "pgbench"]
     results: dict[str, Result] = {}
     with bench_database() as url:
-        config = server_settings(url)
         print(
-            f"PostgreSQL {config.pop('server_version')} "
-            f"({', '.join(f'{name}={value}' for name, value in config.items())}), "
-            f"{os.cpu_count()} CPUs; "
+            f"{describe(url)}, {os.cpu_count()} CPUs; "
             f"{args.tasks:,} tasks over {TOOLS} tools; {args.clients} clients in "
             f"{min(args.client_procs, args.clients)} client process(es); "
             f"{args.warmup:g} s warm-up + {args.seconds:g} s measured per phase"

@@ -32,6 +32,25 @@ One run, in this order, each phase on a quiet database (CHECKPOINT first):
 
 Durability stays on for both: synchronous_commit = on for each bench database. The ratios
 printed are the bars: drain >= 2 x PGQueuer batch 10, enqueue >= 1 x PGQueuer's enqueue.
+
+Paid vs unpaid (issue 9, bar "paid drain >= 0.7 x unpaid drain"):
+
+    .venv/bin/python bench/drain.py --paid [--tasks 20000] [--workers 1]
+
+runs, instead of all the above, on one genq database and service (the daily cap 10**17 nanos
+set as above, which no run reaches, and no tool cap), for each W in `--workers`, three drains of
+the same N tasks by W worker processes, each a WorkerFleet with its defaults:
+
+- unpaid, 1 tool: tool "noop", no cost estimate, a handler that reports no cost (as above);
+- unpaid, 8 tools: N/8 tasks on each of the tools "noop-1".."noop-8" (`--concurrency` slots each),
+  no estimate, no cost: the control, to tell the 8 tools' share of the difference from the money's;
+- paid, 8 tools: the same 8 tools configured (ConfigureTool) with a cost estimate
+  (`--estimate-nanos`, so every claim is admitted against the cap with it) and a handler that
+  reports a cost on every task (`ctx.report_usage(cost_nanos=--cost-nanos)`, recorded on the
+  task's attempt by its CompleteTasks).
+
+It prints each drain as above, the cost the attempts recorded, and the ratios paid / unpaid
+1 tool (the bar) and paid / unpaid 8 tools.
 """
 
 from __future__ import annotations
@@ -60,7 +79,8 @@ from psycopg import sql
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script: the project's packages, not an installed copy
 
-from bench.claim_complete import ADMIN_URL, Service, url_for  # noqa: E402
+from bench.claim_complete import ADMIN_URL, Service, split, url_for  # noqa: E402
+from generation.task.v1 import task_pb2  # noqa: E402
 from service import migrations  # noqa: E402
 from workers_sdk import GatewayClient, GenqClient, TaskContext, WorkerFleet  # noqa: E402
 
@@ -243,13 +263,31 @@ async def noop(task: Any, ctx: TaskContext) -> None:
     return None
 
 
-def worker(address: str, concurrency: int, pipe: Connection) -> None:
-    """One worker process: a WorkerFleet with its defaults; runs from "go" until SIGTERM."""
+def paid_noop(cost_nanos: int) -> Any:
+    """A handler that does nothing but report what it cost (sent with its CompleteTask)."""
+
+    async def handler(task: Any, ctx: TaskContext) -> None:
+        ctx.report_usage(token_amount=1, cost_nanos=cost_nanos)
+
+    return handler
+
+
+def worker(
+    address: str,
+    concurrency: int,
+    pipe: Connection,
+    tools: tuple[str, ...] = (TOOL,),
+    cost_nanos: int = 0,
+) -> None:
+    """One worker process: a WorkerFleet with its defaults hosting `tools` (a handler reporting
+    `cost_nanos` on every task if not 0); runs from "go" until SIGTERM."""
 
     async def main() -> None:
         client = CountingClient(address)
         fleet = WorkerFleet(client)  # the defaults a user who changes nothing gets
-        fleet.register(TOOL, noop, concurrency=concurrency)
+        handler = paid_noop(cost_nanos) if cost_nanos else noop
+        for tool in tools:
+            fleet.register(tool, handler, concurrency=concurrency)
         pipe.send("ready")
         await asyncio.to_thread(pipe.recv)  # "go"
         cpu = time.process_time()
@@ -307,17 +345,33 @@ def completed(url: str) -> tuple[int, float | None]:
 
 
 def drain(
-    args: argparse.Namespace, service: Service, url: str, tool_id: str, workers: int
+    args: argparse.Namespace,
+    service: Service,
+    url: str,
+    tool_id: str,
+    workers: int,
+    tools: dict[str, str] | None = None,
+    cost_nanos: int = 0,
 ) -> Drain:
+    """`tools` (name -> id; default {TOOL: tool_id}): the N tasks are spread evenly over them
+    (enqueued tool after tool) and every worker hosts them all."""
+    tools = tools or {TOOL: tool_id}
     execute(url, "TRUNCATE generation.tasks CASCADE", "VACUUM ANALYZE", "CHECKPOINT")
-    rate = asyncio.run(enqueue(service.address, tool_id, args.tasks, 1))
+    shares = split(args.tasks, len(tools))
+    started = time.perf_counter()
+    for share, each in zip(shares, tools.values(), strict=True):
+        asyncio.run(enqueue(service.address, each, share, 1))
+    rate = args.tasks / (time.perf_counter() - started)
     execute(url, "ANALYZE", "CHECKPOINT")
 
     spawn = multiprocessing.get_context("spawn")
     pipes, processes = [], []
     for _ in range(workers):
         ours, theirs = spawn.Pipe()
-        process = spawn.Process(target=worker, args=(service.address, args.concurrency, theirs))
+        process = spawn.Process(
+            target=worker,
+            args=(service.address, args.concurrency, theirs, tuple(tools), cost_nanos),
+        )
         process.start()
         pipes.append(ours)
         processes.append(process)
@@ -362,9 +416,11 @@ def drain(
     return Drain(workers, args.tasks, rate, last - go, calls, seconds, cpu)
 
 
-def genq(args: argparse.Namespace) -> tuple[list[Drain], float]:
+@contextmanager
+def genq_service(args: argparse.Namespace) -> Iterator[tuple[str, Service, str]]:
+    """A migrated genq database (the cap no run reaches), `genq serve` on it (with
+    --service-env) and the tool "noop": (url, service, the tool's id); stopped and dropped after."""
     env = dict(item.split("=", 1) for item in args.service_env)
-    results = []
     with database("genq_bench") as url:
         migrations.upgrade(url)
         execute(url, f"UPDATE generation.settings SET daily_cap_nanos = {CAP}")
@@ -373,23 +429,89 @@ def genq(args: argparse.Namespace) -> tuple[list[Drain], float]:
         service.wait_serving()
         try:
             processes = env.get("GENQ_PROCESSES", str(os.cpu_count() or 1))
-            print(f"genq serve at {service.address}, GENQ_PROCESSES={processes} (its default)")
-            tool_id = asyncio.run(upsert_tool(service.address))
-            for workers in args.workers:
-                result = drain(args, service, url, tool_id, workers)
-                results.append(result)
-                report(args, result)
-            execute(url, "TRUNCATE generation.tasks CASCADE", "VACUUM ANALYZE", "CHECKPOINT")
-            concurrent = asyncio.run(
-                enqueue(service.address, tool_id, args.tasks, args.enqueue_concurrency)
-            )
-            print(
-                f"genq enqueue_many, {args.enqueue_concurrency} calls in flight: "
-                f"{concurrent:,.0f} tasks/s"
-            )
+            default = "" if "GENQ_PROCESSES" in env else " (its default)"
+            print(f"genq serve at {service.address}, GENQ_PROCESSES={processes}{default}")
+            yield url, service, asyncio.run(upsert_tool(service.address))
         finally:
             service.stop()
+
+
+def genq(args: argparse.Namespace) -> tuple[list[Drain], float]:
+    results = []
+    with genq_service(args) as (url, service, tool_id):
+        for workers in args.workers:
+            result = drain(args, service, url, tool_id, workers)
+            results.append(result)
+            report(args, result)
+        execute(url, "TRUNCATE generation.tasks CASCADE", "VACUUM ANALYZE", "CHECKPOINT")
+        concurrent = asyncio.run(
+            enqueue(service.address, tool_id, args.tasks, args.enqueue_concurrency)
+        )
+        print(
+            f"genq enqueue_many, {args.enqueue_concurrency} calls in flight: "
+            f"{concurrent:,.0f} tasks/s"
+        )
     return results, concurrent
+
+
+PAID_BAR = 0.7
+"""Issue 9: paid drain (estimate + cost on every task, 8 tools) >= 0.7 x the unpaid drain."""
+PAID_TOOLS = 8
+
+
+async def paid_tools(address: str, estimate_nanos: int) -> dict[str, str]:
+    """The tools noop-1..noop-8 (created on first call), configured with `estimate_nanos`."""
+    tools = {}
+    async with GenqClient(address) as client:
+        gateway = GatewayClient(client)
+        for n in range(1, PAID_TOOLS + 1):
+            tool = await gateway.upsert_tool(f"{TOOL}-{n}")
+            await client.call(
+                "ConfigureTool",
+                task_pb2.ConfigureToolRequest(tool_id=tool.id, cost_estimate_nanos=estimate_nanos),
+            )
+            tools[tool.name] = str(tool.id)
+    return tools
+
+
+def recorded_cost(url: str) -> str:
+    with psycopg.connect(url, autocommit=True) as connection:
+        found = connection.execute(
+            "SELECT count(*), count(*) FILTER (WHERE a.estimate_nanos > 0), "
+            "coalesce(sum(a.cost_nanos), 0) FROM generation.attempts a "
+            "JOIN generation.tasks t ON t.id = a.task_id"  # this drain's (TRUNCATE keeps them)
+        ).fetchone()
+    assert found is not None
+    return f"{found[0]:,} attempts, {found[1]:,} with an estimate, {found[2]:,} cost nanos recorded"
+
+
+def genq_paid(args: argparse.Namespace) -> None:
+    """Unpaid on 1 tool, unpaid on 8, paid on 8: same N, same service, one run."""
+    with genq_service(args) as (url, service, tool_id):
+        for workers in args.workers:
+            figures = {}
+            for label, tools, estimate, cost in (
+                ("unpaid, 1 tool", None, 0, 0),
+                (f"unpaid, {PAID_TOOLS} tools", True, 0, 0),
+                (f"paid, {PAID_TOOLS} tools", True, args.estimate_nanos, args.cost_nanos),
+            ):
+                named = asyncio.run(paid_tools(service.address, estimate)) if tools else None
+                print(f"-- {label}: estimate {estimate} nanos, cost {cost} nanos a task")
+                result = drain(args, service, url, tool_id, workers, named, cost)
+                report(args, result)
+                print(f"  {recorded_cost(url)}")
+                figures[label] = result.per_second
+            paid = figures[f"paid, {PAID_TOOLS} tools"]
+            for base in ("unpaid, 1 tool", f"unpaid, {PAID_TOOLS} tools"):
+                ratio = paid / figures[base]
+                bar = ""
+                if base == "unpaid, 1 tool":
+                    verdict = "met" if ratio >= PAID_BAR else "missed"
+                    bar = f" (bar {PAID_BAR:g}: {verdict})"
+                print(
+                    f"paid ratio, {workers} worker process(es), paid {PAID_TOOLS} tools / "
+                    f"{base}: {ratio:.2f}{bar}"
+                )
 
 
 def report(args: argparse.Namespace, result: Drain) -> None:
@@ -437,9 +559,17 @@ def main() -> None:
         "--pgqueuer-batch", type=lambda v: [int(n) for n in v.split(",")], default=[10]
     )
     parser.add_argument("--skip-pgqueuer", action="store_true")
+    parser.add_argument(
+        "--paid", action="store_true", help="only the paid vs unpaid drains (see the docstring)"
+    )
+    parser.add_argument("--estimate-nanos", type=int, default=1000, help="--paid: tool estimate")
+    parser.add_argument("--cost-nanos", type=int, default=1000, help="--paid: cost of each task")
     args = parser.parse_args()
 
     print(f"{args.tasks} no-op tasks; machine: {os.cpu_count()} CPUs")
+    if args.paid:
+        genq_paid(args)
+        return
     peer = None if args.skip_pgqueuer else pgqueuer(args)
     results, concurrent = genq(args)
 

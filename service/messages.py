@@ -54,7 +54,7 @@ def task(row: Row) -> task_pb2.Task:
         "expires_at",
         "cancel_requested_at",
     ):
-        _timestamp(getattr(message, name), row[name])
+        timestamp(getattr(message, name), row[name])
     return message
 
 
@@ -70,10 +70,16 @@ def tool(row: Row) -> task_pb2.Tool:
         spent_today_nanos=_today(row),
         reserved_nanos=row["reserved_nanos"] if row["spent_day"] == row["today"] else 0,
     )
-    for name in ("lease_seconds", "resource_key", "account_group", "daily_cap_nanos"):
+    for name in (
+        "lease_seconds",
+        "resource_key",
+        "account_group",
+        "daily_cap_nanos",
+        "max_in_flight",
+    ):
         if row[name] is not None:
             setattr(message, name, row[name])
-    _timestamp(message.created_at, row["created_at"])
+    timestamp(message.created_at, row["created_at"])
     return message
 
 
@@ -82,7 +88,7 @@ def _struct(target: struct_pb2.Struct, value: dict[str, Any] | None) -> None:
         target.update(value)
 
 
-def _timestamp(target: timestamp_pb2.Timestamp, value: datetime | None) -> None:
+def timestamp(target: timestamp_pb2.Timestamp, value: datetime | None) -> None:
     # What FromDatetime does, without its time tuple: a third of a batch's answer time.
     if value is not None:
         since = value - EPOCH
@@ -98,7 +104,7 @@ def task_event(event: Row) -> task_pb2.TaskEvent:
         kind=task_pb2.TaskEventKind.Value(f"TASK_EVENT_KIND_{event['kind'].upper()}"),
     )
     _struct(message.data, event["data"])
-    _timestamp(message.created_at, datetime.fromisoformat(event["created_at"]))
+    timestamp(message.created_at, datetime.fromisoformat(event["created_at"]))
     return message
 
 
@@ -111,13 +117,13 @@ def settlement(row: Row) -> task_pb2.Settlement:
         refunded_token_amount=row["refunded_token_amount"],
         settlement_round=row["settlement_round"],
     )
-    _timestamp(message.settled_at, row["settled_at"])
+    timestamp(message.settled_at, row["settled_at"])
     return message
 
 
 def audit_entry(row: Row) -> task_pb2.AuditEntry:
     message = task_pb2.AuditEntry(id=row["id"], actor=row["actor"], action=row["action"])
-    _timestamp(message.at, row["at"])
+    timestamp(message.at, row["at"])
     _struct(message.detail, row["detail"])
     return message
 

@@ -42,6 +42,8 @@ MAX_BATCH = 1_000
 MAX_CLAIM_BATCH = 100
 """Most tasks one ClaimTasks takes: a worker's free lanes, not a backlog to hoard."""
 MAX_NAME = 200
+MAX_IN_FLIGHT = 100_000
+"""The highest concurrency limit of a tool or a resource key."""
 MIN_LEASE_SECONDS = 10
 """The lease floor: a shorter one cannot outlive one slow heartbeat (the SDK beats every third)."""
 DEFAULT_PAGE = 500
@@ -350,7 +352,12 @@ def bind_complete_task(request: task_pb2.CompleteTaskRequest, settings: Settings
                 ).obj,
             }
         ),
+        "resource_key": _used_key(request),
     }
+
+
+def _used_key(request: task_pb2.CompleteTaskRequest | task_pb2.FailTaskRequest) -> str | None:
+    return validation.text("resource_key", request.resource_key, max_length=MAX_NAME)
 
 
 def bind_release_task(request: task_pb2.ReleaseTaskRequest, settings: Settings) -> Params:
@@ -387,6 +394,7 @@ def bind_fail_task(request: task_pb2.FailTaskRequest, settings: Settings) -> Par
         "cost_nanos": validation.cost(
             "reported_usage.cost_nanos", request.reported_usage.cost_nanos
         ),
+        "resource_key": _used_key(request),
     }
 
 
@@ -458,11 +466,51 @@ def bind_configure_tool(request: task_pb2.ConfigureToolRequest, settings: Settin
         "cost_estimate_nanos": _optional(request, "cost_estimate_nanos", validation.amount),
         "daily_cap_nanos": _optional(request, "daily_cap_nanos", validation.amount),
         "paused": request.paused if request.HasField("paused") else None,
+        "max_in_flight": _optional(request, "max_in_flight", _in_flight),
         "clear": _clear(
-            request, {"lease_seconds", "resource_key", "account_group", "daily_cap_nanos"}
+            request,
+            {"lease_seconds", "resource_key", "account_group", "daily_cap_nanos", "max_in_flight"},
         ),
     }
     return params
+
+
+def _in_flight(field: str, value: int) -> int:
+    return validation.in_range(field, value, 1, MAX_IN_FLIGHT)
+
+
+def bind_set_resource_limit(
+    request: task_pb2.SetResourceLimitRequest, settings: Settings
+) -> Params:
+    return {
+        "resource_key": _key("resource_key", request.resource_key),
+        "max_in_flight": _optional(request, "max_in_flight", _in_flight),
+    }
+
+
+def bind_get_resource_key(request: task_pb2.GetResourceKeyRequest, settings: Settings) -> Params:
+    return {"resource_key": _key("resource_key", request.resource_key)}
+
+
+def respond_get_resource_key(rows: list[Row]) -> task_pb2.GetResourceKeyResponse:
+    (row,) = rows
+    message = task_pb2.GetResourceKeyResponse(
+        resource_key=row["resource_key"],
+        cooling=row["cooling"],
+        consecutive_failures=row["consecutive_failures"],
+    )
+    messages.timestamp(message.cooling_until, row["cooling_until"])
+    if row["max_in_flight"] is not None:
+        message.max_in_flight = row["max_in_flight"]
+    return message
+
+
+def respond_set_resource_limit(rows: list[Row]) -> task_pb2.SetResourceLimitResponse:
+    (row,) = rows
+    message = task_pb2.SetResourceLimitResponse(resource_key=row["resource_key"])
+    if row["max_in_flight"] is not None:
+        message.max_in_flight = row["max_in_flight"]
+    return message
 
 
 def bind_update_settings(request: task_pb2.UpdateSettingsRequest, settings: Settings) -> Params:
@@ -810,6 +858,8 @@ BINDINGS: dict[str, Binding] = {
         lambda rows: task_pb2.ListUnsettledTasksResponse(tasks=[messages.task(r) for r in rows]),
     ),
     "SettleTask": Binding(bind_task_id, respond_settle),
+    "SetResourceLimit": Binding(bind_set_resource_limit, respond_set_resource_limit),
+    "GetResourceKey": Binding(bind_get_resource_key, respond_get_resource_key),
     "ListAuditEntries": Binding(
         bind_list_audit_entries,
         lambda rows: task_pb2.ListAuditEntriesResponse(

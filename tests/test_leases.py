@@ -98,8 +98,8 @@ def test_lapsed_lease_changes_nothing_even_before_the_rescue(
         before = row(db, task.id)
         extras: dict[str, dict[str, Any]] = {
             "HeartbeatTask": {"lease_seconds": 120},
-            "CompleteTask": {"output": None, "reported_usage": None},
-            "FailTask": {"failure": "retryable", "error": None},
+            "CompleteTask": {"output": None, "reported_usage": None, "resource_key": None},
+            "FailTask": {"failure": "retryable", "error": None, "resource_key": None},
             "ReleaseTask": {},
             "PublishTaskEvent": {"kind": "progress", "data": None},
         }

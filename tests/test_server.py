@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -19,10 +22,16 @@ from grpc_health.v1 import health_pb2
 from psycopg.rows import dict_row
 
 from generation.task.v1 import task_pb2
+from service.server import HEALTH_CHECK_INTERVAL_SECONDS
 from service.settings import Settings
 from tests.conftest import ROOT, Databases, ServiceProcess, url_for, wait_for
 from tests.tcp_proxy import TcpProxy
 from workers_sdk.errors import Reason, from_rpc_error
+
+# Health turns NOT_SERVING at most one ping interval plus one ping timeout after Postgres stops
+# answering (service/server.py, watch_health): 2.5 s. On a loaded 2-core machine the event loop
+# and the test's Check calls run late, so allow four times that.
+NOT_SERVING_WITHIN = 4 * (HEALTH_CHECK_INTERVAL_SECONDS + Settings().ping_timeout_seconds)
 
 
 def health_status(service: ServiceProcess) -> Any:
@@ -104,6 +113,7 @@ def test_database_down_is_unavailable_and_the_pool_recovers(
         wait_for(unavailable, what="UNAVAILABLE while the database is gone")
         wait_for(
             lambda: health_status(service) == health_pb2.HealthCheckResponse.NOT_SERVING,
+            timeout=NOT_SERVING_WITHIN,
             what="health NOT_SERVING",
         )
 
@@ -121,6 +131,41 @@ def test_database_down_is_unavailable_and_the_pool_recovers(
     finally:
         service.stop()
         proxy.cut()
+
+
+def test_a_cut_leaves_no_link_alive(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race behind the outage test's flake, made certain: the proxy's accept thread is
+    still connecting upstream for a new client when the cut comes."""
+    upstream = socket.socket()
+    upstream.bind(("127.0.0.1", 0))
+    upstream.listen()
+    connect = socket.create_connection
+    accepted = threading.Event()
+
+    def late_connection(*args: Any, **kwargs: Any) -> socket.socket:
+        accepted.set()
+        time.sleep(0.3)  # the cut lands here, between accept() and the link's registration
+        return connect(*args, **kwargs)
+
+    proxy = TcpProxy(upstream.getsockname())
+    proxy.start()
+    monkeypatch.setattr(socket, "create_connection", late_connection)
+    client = connect(("127.0.0.1", proxy.port))
+    accepted.wait(5)
+    proxy.cut()
+    far, _ = upstream.accept()  # the upstream leg the accept thread opened after the cut
+    monkeypatch.undo()
+    with contextlib.suppress(OSError):  # the proxy may have closed its leg already
+        far.sendall(b"x")
+    client.settimeout(5)
+    try:
+        answer = client.recv(1)
+    except OSError:
+        answer = b""
+    assert answer == b"", "a link accepted before the cut outlived it"
+    for sock in (client, far):
+        sock.close()
+    upstream.close()
 
 
 def test_serve_without_database_url_runs_an_embedded_postgres(tmp_path: Path) -> None:

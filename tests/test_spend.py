@@ -20,7 +20,7 @@ from psycopg.rows import dict_row
 
 from generation.task.v1 import task_pb2, task_pb2_grpc
 from service import housekeeping
-from tests.conftest import Databases, ServiceProcess, url_for, wait_for
+from tests.conftest import UNLIMITED, Databases, ServiceProcess, url_for, wait_for
 from tests.invariants import assert_invariants
 from tests.test_server import genq
 from workers_sdk.errors import Reason, from_rpc_error
@@ -306,6 +306,77 @@ def test_a_cost_above_its_estimate_grows_the_share_and_counts_against_the_cap(
     assert_invariants(sdb, tool_id)
 
 
+# --- B20: busy, the concurrency limits
+
+
+def test_a_tool_at_max_in_flight_is_busy_until_a_run_ends(
+    spend_service: ServiceProcess, stub: Stub, sdb: Db, spend_url: str
+) -> None:
+    """16 claimers race for a tool whose max_in_flight is 3: exactly 3 run; a batch claim asks
+    for 10 and gets none; when one run ends, one more is claimed."""
+    set_cap(stub, UNLIMITED)
+    tool_id = new_tool(stub, max_in_flight=3)
+    for _ in range(20):
+        queue(stub, tool_id)
+    claimed, _ = race_claims(spend_service, spend_url, [tool_id], UNLIMITED)
+    assert len(claimed) == 3
+    assert idle(stub, tool_id) == "busy"
+    batch = stub.ClaimTasks(task_pb2.ClaimTasksRequest(tool_id=tool_id, limit=10))
+    assert (len(batch.tasks), batch.idle_reason) == (0, task_pb2.IDLE_REASON_BUSY)
+    complete(stub, claimed[0])
+    more = stub.ClaimTasks(task_pb2.ClaimTasksRequest(tool_id=tool_id, limit=10))
+    assert len(more.tasks) == 1
+    assert stub.GetTool(task_pb2.GetToolRequest(tool_id=tool_id)).tool.max_in_flight == 3
+    stub.ConfigureTool(task_pb2.ConfigureToolRequest(tool_id=tool_id, clear=["max_in_flight"]))
+    assert claim(stub, tool_id).HasField("task"), "no limit once cleared"
+    assert_invariants(sdb, tool_id)
+
+
+def test_a_busy_resource_key_holds_its_tasks_in_every_tool_and_not_others(
+    stub: Stub, sdb: Db
+) -> None:
+    set_cap(stub, UNLIMITED)
+    key = f"model-{uuid.uuid4().hex}"
+    limit = stub.SetResourceLimit(
+        task_pb2.SetResourceLimitRequest(resource_key=key, max_in_flight=1)
+    )
+    assert (limit.resource_key, limit.max_in_flight) == (key, 1)
+    first, second = new_tool(stub, resource_key=key), new_tool(stub)
+    queue(stub, first)
+    queue(stub, first)
+    running = claim(stub, first)
+    assert running.HasField("task")
+    assert idle(stub, first) == "busy", "the tool's own key is busy, as a cooling key would hold it"
+    held = queue(stub, second, resource_key=key)
+    assert idle(stub, second) == "busy"
+    other = queue(stub, second)
+    assert claim(stub, second).task.id == other.id, "a busy key's task is passed over"
+    complete(stub, running)
+    assert claim(stub, second).task.id == held.id
+    removed = stub.SetResourceLimit(task_pb2.SetResourceLimitRequest(resource_key=key))
+    assert not removed.HasField("max_in_flight")
+    assert sdb.execute(
+        "SELECT count(*) AS n FROM generation.resource_limits WHERE resource_key = %s", [key]
+    ).fetchone() == {"n": 0}
+
+
+@pytest.mark.parametrize("limit", [0, -1, 100_001])
+def test_a_concurrency_limit_out_of_range_is_invalid(stub: Stub, limit: int) -> None:
+    tool_id = new_tool(stub)
+    calls: list[tuple[Any, Any]] = [
+        (stub.ConfigureTool, task_pb2.ConfigureToolRequest(tool_id=tool_id, max_in_flight=limit)),
+        (
+            stub.SetResourceLimit,
+            task_pb2.SetResourceLimitRequest(resource_key="k", max_in_flight=limit),
+        ),
+    ]
+    for method, request in calls:
+        with pytest.raises(grpc.RpcError) as caught:
+            method(request)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert not stub.GetTool(task_pb2.GetToolRequest(tool_id=tool_id)).tool.HasField("max_in_flight")
+
+
 def test_estimate_zero_needs_the_total_strictly_below_the_cap(stub: Stub, sdb: Db) -> None:
     set_cap(stub, 1_000)
     tool_id = new_tool(stub)
@@ -445,6 +516,48 @@ def test_two_retryable_failures_cool_the_key_without_using_more_attempts(
     )
     assert released.released
     assert claim(stub, tool_id).HasField("task")
+
+
+def test_a_run_that_fell_back_to_another_key_cools_the_key_it_used(stub: Stub, sdb: Db) -> None:
+    """B24: the handler tried model-y instead of the task's model-x (ctx.use_resource): the
+    failures count toward model-y, which cools; model-x stays free, and GetResourceKey says so."""
+    set_cap(stub, UNIT)
+    used = f"model-y-{uuid.uuid4().hex}"
+    tool_id = new_tool(stub, resource_key=f"model-x-{uuid.uuid4().hex}")
+    for _ in range(3):
+        queue(stub, tool_id, max_retries=10)
+    for _ in range(2):
+        claimed = claim(stub, tool_id)
+        stub.FailTask(
+            task_pb2.FailTaskRequest(
+                task_id=claimed.task.id,
+                lease_token=claimed.lease_token,
+                failure=task_pb2.FAILURE_KIND_RETRYABLE,
+                resource_key=used,
+            )
+        )
+    state = stub.GetResourceKey(task_pb2.GetResourceKeyRequest(resource_key=used))
+    assert state.cooling and state.cooling_until.seconds > 0
+    tool = stub.GetTool(task_pb2.GetToolRequest(tool_id=tool_id)).tool
+    own = stub.GetResourceKey(task_pb2.GetResourceKeyRequest(resource_key=tool.resource_key))
+    assert (own.cooling, own.consecutive_failures) == (False, 0)
+    claimed = claim(stub, tool_id)
+    assert claimed.HasField("task"), "the task's own key is not cooling"
+    stub.CompleteTask(
+        task_pb2.CompleteTaskRequest(
+            task_id=claimed.task.id, lease_token=claimed.lease_token, resource_key=used
+        )
+    )
+    ledger = sdb.execute(
+        "SELECT resource_key, outcome::text FROM generation.attempts WHERE tool_id = %s "
+        "ORDER BY started_at",
+        [tool_id],
+    ).fetchall()
+    assert [(a["resource_key"], a["outcome"]) for a in ledger] == [
+        (used, "retry"),
+        (used, "retry"),
+        (used, "completed"),
+    ]
 
 
 def test_a_success_resets_the_failure_count(stub: Stub, sdb: Db) -> None:

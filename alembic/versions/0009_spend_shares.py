@@ -1,5 +1,6 @@
 """Spend shares: the global cap is held per tool, so paid claims lock only their tool's row;
-and who enqueued each task (`tasks.source`).
+concurrency limits per tool and per resource key (`max_in_flight`, `resource_limits`); and who
+enqueued each task (`tasks.source`).
 
 Every paid claim and costed completion used to update the one row of `generation.settings`, so
 claims of different tools serialized on it. Now each tool's row carries its share of today's
@@ -65,6 +66,16 @@ ALTER TABLE generation.tools
 ALTER TABLE generation.tasks
     ADD COLUMN source text,
     ADD CONSTRAINT tasks_source_length CHECK (char_length(source) <= 200);
+
+ALTER TABLE generation.tools
+    ADD COLUMN max_in_flight integer,
+    ADD CONSTRAINT tools_max_in_flight_positive CHECK (max_in_flight >= 1);
+CREATE TABLE generation.resource_limits (
+    resource_key text PRIMARY KEY,
+    max_in_flight integer NOT NULL,
+    CONSTRAINT resource_limits_max_in_flight_positive CHECK (max_in_flight >= 1)
+);
+CREATE INDEX attempts_running_idx ON generation.attempts (resource_key) WHERE outcome = 'running';
 
 -- Today's counters from the ledger: what today's attempts cost and still hold reserved.
 UPDATE generation.tools AS t
@@ -175,7 +186,7 @@ $$;
 
 CREATE FUNCTION generation.close_attempt_v2(
     p_task uuid, p_token uuid, p_closing generation.attempt_outcome, p_cost bigint,
-    p_retryable boolean
+    p_retryable boolean, p_resource_key text
 ) RETURNS generation.attempts
 LANGUAGE plpgsql
 AS $$
@@ -203,6 +214,8 @@ BEGIN
     -- 3. Close the run with its cost.
     UPDATE generation.attempts
     SET outcome = CASE WHEN a.outcome = 'running' THEN p_closing ELSE 'lease_lost' END,
+        resource_key = CASE WHEN a.outcome = 'running' THEN COALESCE(p_resource_key, resource_key)
+                            ELSE resource_key END,
         cost_nanos = cost_nanos + p_cost,
         ended_at = COALESCE(ended_at, now())
     WHERE task_id = a.task_id AND attempt = a.attempt
@@ -282,7 +295,7 @@ BEGIN
         last_event_seq = q.last_event_seq + 1
     WHERE q.id = t.id
     RETURNING q.* INTO back;
-    PERFORM generation.close_attempt_v2(t.id, t.lease_token, 'unconfirmed', 0, false);
+    PERFORM generation.close_attempt_v2(t.id, t.lease_token, 'unconfirmed', 0, false, NULL);
     RETURN QUERY SELECT back, generation.append_event_v1(
         t.id, ending::generation.task_event_kind,
         jsonb_build_object('reason', CASE WHEN p_lapsed THEN 'claim answer lost'
@@ -320,7 +333,7 @@ BEGIN
         last_event_seq = q.last_event_seq + 1
     WHERE q.id = t.id
     RETURNING q.* INTO t;
-    PERFORM generation.close_attempt_v2(t.id, prior, 'abandoned', 0, false);
+    PERFORM generation.close_attempt_v2(t.id, prior, 'abandoned', 0, false, NULL);
     RETURN QUERY SELECT t, generation.append_event_v1(
         t.id, ending::generation.task_event_kind,
         jsonb_build_object('reason', 'lease lapsed', 'error', t.error, 'retry_count', t.retry_count));
@@ -356,6 +369,12 @@ DECLARE
     granted bigint;
     grant_made record;
     reserving bigint := 0;
+    in_flight integer;
+    limits record;
+    key_room jsonb := '{}';
+    full_keys text[];
+    tool_busy boolean;
+    busy boolean := false;
     head record;
     has_head boolean;
 BEGIN
@@ -383,8 +402,22 @@ BEGIN
                             WHERE c.resource_key = default_key AND c.cooling_until > now());
     tool_held := EXISTS (SELECT 1 FROM generation.holds AS h
                          WHERE h.account_group = default_group AND h.held_until > now());
+    -- Keys at their concurrency limit, and whether the tool is at its own (counted unlocked,
+    -- and again under lock in step 3; each count stops at the limit).
+    SELECT COALESCE(array_agg(l.resource_key), '{}') INTO full_keys
+    FROM generation.resource_limits AS l
+    WHERE (SELECT count(*) FROM (
+               SELECT 1 FROM generation.attempts AS a
+               WHERE a.resource_key = l.resource_key AND a.outcome = 'running'
+               LIMIT l.max_in_flight) AS running) >= l.max_in_flight;
+    tool_busy := default_key = ANY (full_keys) OR CASE WHEN tool.max_in_flight IS NULL THEN false
+        ELSE tool.max_in_flight <= (
+            SELECT count(*) FROM (
+                SELECT 1 FROM generation.tasks AS q
+                WHERE q.tool_id = p_tool AND q.status = 'processing'
+                LIMIT tool.max_in_flight) AS running) END;
 
-    IF blocked IS NULL AND NOT tool_cooling AND NOT tool_held THEN
+    IF blocked IS NULL AND NOT tool_cooling AND NOT tool_held AND NOT tool_busy THEN
         -- 2. Lock up to p_limit claimable tasks in claim order, skipping rows other claimers
         --    hold (tasks_claim_idx serves this as an index-ordered top-N).
         FOR picked IN
@@ -400,6 +433,7 @@ BEGIN
               AND (q.account_group IS NULL OR NOT EXISTS (
                     SELECT 1 FROM generation.holds AS h
                     WHERE h.account_group = q.account_group AND h.held_until > now()))
+              AND (q.resource_key IS NULL OR NOT q.resource_key = ANY (full_keys))
             ORDER BY q.reclaimed DESC, q.priority DESC, q.run_at
             LIMIT p_limit
             FOR NO KEY UPDATE OF q SKIP LOCKED
@@ -410,11 +444,48 @@ BEGIN
             groups := groups || picked.account_group;
         END LOOP;
 
-        -- 3. Admit in claim order under the tool's own cap and within its share of the global
-        --    cap (counters of an earlier day count as nothing). The tool's row is locked at the
-        --    first task carrying an estimate; tasks estimated at 0 reserve nothing and read the
-        --    counters unlocked.
+        -- 3. The concurrency limits: lock the picked keys' limits (in key order: claims of one
+        --    key across tools take turns) and count what runs of each key, then the tool's
+        --    (under its row lock). Counting stops at the limit, so the cost is the limit's.
+        FOR limits IN
+            SELECT l.resource_key, l.max_in_flight - (
+                       SELECT count(*) FROM (
+                           SELECT 1 FROM generation.attempts AS a
+                           WHERE a.resource_key = l.resource_key AND a.outcome = 'running'
+                           LIMIT l.max_in_flight) AS running) AS room
+            FROM generation.resource_limits AS l
+            WHERE l.resource_key = ANY (keys)
+            ORDER BY l.resource_key
+            FOR NO KEY UPDATE OF l
+        LOOP
+            key_room := key_room || jsonb_build_object(limits.resource_key, limits.room);
+        END LOOP;
+        IF tool.max_in_flight IS NOT NULL AND array_length(ids, 1) > 0 THEN
+            SELECT * INTO tool FROM generation.tools AS t WHERE t.id = p_tool FOR NO KEY UPDATE;
+            spend_locked := true;
+            used := CASE WHEN tool.spent_day = today
+                         THEN tool.spent_nanos + tool.reserved_nanos ELSE 0 END;
+            share := CASE WHEN tool.spent_day = today THEN tool.granted_nanos ELSE 0 END;
+            SELECT tool.max_in_flight - count(*) INTO in_flight FROM (
+                SELECT 1 FROM generation.tasks AS q
+                WHERE q.tool_id = p_tool AND q.status = 'processing'
+                LIMIT tool.max_in_flight) AS running;
+        END IF;
+
+        -- 4. Admit in claim order: within the limits (a task whose key is busy stays queued and
+        --    the next is tried; a busy tool stops the claim), under the tool's own cap and
+        --    within its share of the global cap (counters of an earlier day count as nothing).
+        --    The tool's row is locked at the first task carrying an estimate; tasks estimated
+        --    at 0 reserve nothing and read the counters unlocked.
         FOR i IN 1 .. COALESCE(array_length(ids, 1), 0) LOOP
+            IF in_flight IS NOT NULL AND in_flight <= 0 THEN
+                busy := true;
+                EXIT;
+            END IF;
+            IF (key_room ->> keys[i])::integer <= 0 THEN
+                busy := true;
+                CONTINUE;
+            END IF;
             IF estimates[i] > 0 AND NOT spend_locked THEN
                 SELECT * INTO tool FROM generation.tools AS t WHERE t.id = p_tool FOR NO KEY UPDATE;
                 spend_locked := true;
@@ -439,10 +510,15 @@ BEGIN
             END IF;
             reserving := reserving + estimates[i];
             admitted := admitted || ids[i];
+            in_flight := in_flight - 1;
+            IF key_room ? keys[i] THEN
+                key_room := jsonb_set(key_room, ARRAY[keys[i]],
+                                      to_jsonb((key_room ->> keys[i])::integer - 1));
+            END IF;
         END LOOP;
     END IF;
 
-    -- 4. A worker asked for the tool's work (noted at most every 5 s): the watchdog's sign that
+    -- 5. A worker asked for the tool's work (noted at most every 5 s): the watchdog's sign that
     --    someone is coming for it.
     INSERT INTO generation.tool_polls AS p (tool_id, polled_at)
     SELECT p_tool, now()
@@ -451,9 +527,9 @@ BEGIN
     ON CONFLICT (tool_id) DO UPDATE SET polled_at = EXCLUDED.polled_at;
 
     IF array_length(admitted, 1) IS NULL THEN
-        -- 5. Nothing claimed: say why, from the first reason that holds.
+        -- 6. Nothing claimed: say why, from the first reason that holds.
         IF blocked IS NULL AND array_length(ids, 1) > 0 THEN
-            blocked := 'capped';
+            blocked := CASE WHEN busy THEN 'busy' ELSE 'capped' END;
         END IF;
         IF blocked IS NULL THEN
             SELECT COALESCE(q.resource_key, default_key) AS resource_key,
@@ -467,6 +543,7 @@ BEGIN
                 WHEN NOT has_head THEN 'empty'
                 WHEN tool_held THEN 'held'
                 WHEN tool_cooling THEN 'cooling'
+                WHEN tool_busy OR head.resource_key = ANY (full_keys) THEN 'busy'
                 WHEN EXISTS (SELECT 1 FROM generation.holds AS h
                              WHERE h.account_group = head.account_group AND h.held_until > now())
                     THEN 'held'
@@ -479,7 +556,7 @@ BEGIN
         RETURN;
     END IF;
 
-    -- 6. Reserve the admitted estimates in the tool's row (locked in step 3), with its share.
+    -- 7. Reserve the admitted estimates in the tool's row (locked in step 4), with its share.
     IF reserving > 0 THEN
         UPDATE generation.tools AS t
         SET spent_nanos = CASE WHEN t.spent_day = today THEN t.spent_nanos ELSE 0 END,
@@ -489,7 +566,7 @@ BEGIN
         WHERE t.id = p_tool;
     END IF;
 
-    -- 7. Start the runs: a fresh, unconfirmed lease each, an attempt, a `started` event.
+    -- 8. Start the runs: a fresh, unconfirmed lease each, an attempt, a `started` event.
     RETURN QUERY
     WITH started AS (
         UPDATE generation.tasks AS t
@@ -524,7 +601,7 @@ END
 $$;
 
 CREATE FUNCTION generation.complete_task_v2(
-    p_task uuid, p_token uuid, p_output jsonb, p_usage jsonb, p_cost bigint
+    p_task uuid, p_token uuid, p_output jsonb, p_usage jsonb, p_cost bigint, p_resource_key text
 ) RETURNS TABLE (task_found boolean, task generation.tasks, event jsonb)
 LANGUAGE plpgsql
 AS $$
@@ -553,7 +630,8 @@ BEGIN
         RETURNING q.* INTO t;
         -- 3. Close its attempt with the cost; 4. the terminal event, last in the stream.
         PERFORM generation.close_attempt_v2(
-            p_task, p_token, t.status::text::generation.attempt_outcome, p_cost, false);
+            p_task, p_token, t.status::text::generation.attempt_outcome, p_cost, false,
+            p_resource_key);
         RETURN QUERY SELECT true, t,
             generation.append_event_v1(p_task, t.status::text::generation.task_event_kind, NULL);
         RETURN;
@@ -565,7 +643,7 @@ BEGIN
         RETURN;
     END IF;
     -- 6. Else the lease is lost: keep what the run cost, change nothing else.
-    PERFORM generation.close_attempt_v2(p_task, p_token, 'lease_lost', p_cost, false);
+    PERFORM generation.close_attempt_v2(p_task, p_token, 'lease_lost', p_cost, false, NULL);
     RETURN QUERY SELECT true, NULL::generation.tasks, NULL::jsonb;
 END
 $$;
@@ -606,7 +684,7 @@ BEGIN
     WHERE q.id = p_task
     RETURNING q.* INTO t;
     IF prior IS NOT NULL THEN
-        PERFORM generation.close_attempt_v2(p_task, prior, 'abandoned', 0, false);
+        PERFORM generation.close_attempt_v2(p_task, prior, 'abandoned', 0, false, NULL);
     END IF;
     -- 4. The terminal event.
     RETURN QUERY SELECT true, t, generation.append_event_v1(
@@ -616,7 +694,7 @@ END
 $$;
 
 CREATE FUNCTION generation.fail_task_v2(
-    p_task uuid, p_token uuid, p_failure text, p_error text, p_cost bigint
+    p_task uuid, p_token uuid, p_failure text, p_error text, p_cost bigint, p_resource_key text
 ) RETURNS TABLE (task_found boolean, forced boolean, task generation.tasks, event jsonb)
 LANGUAGE plpgsql
 AS $$
@@ -664,7 +742,7 @@ BEGIN
         -- 3. Close the attempt with its cost; 4. the event (terminal unless requeued).
         PERFORM generation.close_attempt_v2(
             p_task, p_token, ending::generation.attempt_outcome, p_cost,
-            p_failure = 'retryable' AND ending <> 'cancelled');
+            p_failure = 'retryable' AND ending <> 'cancelled', p_resource_key);
         RETURN QUERY SELECT true, false, t, generation.append_event_v1(
             p_task,
             CASE t.status WHEN 'queued' THEN 'requeued' ELSE t.status::text END
@@ -679,7 +757,7 @@ BEGIN
         RETURN;
     END IF;
     -- 6. Else the lease is lost: keep what the run cost, change nothing else.
-    PERFORM generation.close_attempt_v2(p_task, p_token, 'lease_lost', p_cost, false);
+    PERFORM generation.close_attempt_v2(p_task, p_token, 'lease_lost', p_cost, false, NULL);
     RETURN QUERY SELECT true, false, NULL::generation.tasks, NULL::jsonb;
 END
 $$;
@@ -724,7 +802,7 @@ BEGIN
         WHERE q.id = p_task
         RETURNING q.* INTO t;
         -- 3. Close the attempt with its cost; 4. the event.
-        PERFORM generation.close_attempt_v2(p_task, p_token, ending::generation.attempt_outcome, p_cost, false);
+        PERFORM generation.close_attempt_v2(p_task, p_token, ending::generation.attempt_outcome, p_cost, false, NULL);
         RETURN QUERY SELECT true, t, generation.append_event_v1(
             p_task,
             CASE ending WHEN 'cancelled' THEN 'cancelled' ELSE 'requeued' END
@@ -739,7 +817,7 @@ BEGIN
         RETURN;
     END IF;
     -- 6. Else the lease is lost: keep what the run cost, change nothing else.
-    PERFORM generation.close_attempt_v2(p_task, p_token, 'lease_lost', p_cost, false);
+    PERFORM generation.close_attempt_v2(p_task, p_token, 'lease_lost', p_cost, false, NULL);
     RETURN QUERY SELECT true, NULL::generation.tasks, NULL::jsonb;
 END
 $$;
@@ -860,6 +938,9 @@ SET spent_day = (now() AT TIME ZONE s.timezone)::date,
                    WHERE t.spent_day = (now() AT TIME ZONE s.timezone)::date),
     reserved_nanos = (SELECT COALESCE(sum(t.reserved_nanos), 0) FROM generation.tools AS t);
 ALTER TABLE generation.tasks DROP COLUMN source;
+DROP INDEX generation.attempts_running_idx;
+DROP TABLE generation.resource_limits;
+ALTER TABLE generation.tools DROP COLUMN max_in_flight;
 ALTER TABLE generation.tools
     DROP CONSTRAINT tools_money_nonnegative,
     DROP COLUMN granted_nanos,

@@ -77,6 +77,8 @@ class _IdleReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_IdleReason
     """The due tasks' resource key is cooling down after repeated retryable failures."""
     IDLE_REASON_HELD: _IdleReason.ValueType  # 7
     """The due tasks' account group is on hold after an account error."""
+    IDLE_REASON_BUSY: _IdleReason.ValueType  # 8
+    """The tool, or the due tasks' resource key, has max_in_flight tasks running already."""
 
 class IdleReason(_IdleReason, metaclass=_IdleReasonEnumTypeWrapper):
     """Why a claim returned no task."""
@@ -96,6 +98,8 @@ IDLE_REASON_COOLING: IdleReason.ValueType  # 6
 """The due tasks' resource key is cooling down after repeated retryable failures."""
 IDLE_REASON_HELD: IdleReason.ValueType  # 7
 """The due tasks' account group is on hold after an account error."""
+IDLE_REASON_BUSY: IdleReason.ValueType  # 8
+"""The tool, or the due tasks' resource key, has max_in_flight tasks running already."""
 Global___IdleReason: _TypeAlias = IdleReason  # noqa: Y015
 
 class _FailureKind:
@@ -413,6 +417,7 @@ class Tool(_message.Message):
     PAUSED_FIELD_NUMBER: _builtins.int
     SPENT_TODAY_NANOS_FIELD_NUMBER: _builtins.int
     RESERVED_NANOS_FIELD_NUMBER: _builtins.int
+    MAX_IN_FLIGHT_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     name: _builtins.str
     max_attempts: _builtins.int
@@ -432,6 +437,10 @@ class Tool(_message.Message):
     paused: _builtins.bool
     spent_today_nanos: _builtins.int
     reserved_nanos: _builtins.int
+    max_in_flight: _builtins.int
+    """At most this many of its tasks run at once (a provider's concurrency limit): a claim
+    beyond it answers IDLE_REASON_BUSY; unset: no limit.
+    """
     @_builtins.property
     def created_at(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -451,10 +460,11 @@ class Tool(_message.Message):
         paused: _builtins.bool = ...,
         spent_today_nanos: _builtins.int = ...,
         reserved_nanos: _builtins.int = ...,
+        max_in_flight: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_account_group", b"_account_group", "_daily_cap_nanos", b"_daily_cap_nanos", "_lease_seconds", b"_lease_seconds", "_resource_key", b"_resource_key", "account_group", b"account_group", "created_at", b"created_at", "daily_cap_nanos", b"daily_cap_nanos", "lease_seconds", b"lease_seconds", "resource_key", b"resource_key"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_account_group", b"_account_group", "_daily_cap_nanos", b"_daily_cap_nanos", "_lease_seconds", b"_lease_seconds", "_max_in_flight", b"_max_in_flight", "_resource_key", b"_resource_key", "account_group", b"account_group", "created_at", b"created_at", "daily_cap_nanos", b"daily_cap_nanos", "lease_seconds", b"lease_seconds", "max_in_flight", b"max_in_flight", "resource_key", b"resource_key"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_account_group", b"_account_group", "_daily_cap_nanos", b"_daily_cap_nanos", "_lease_seconds", b"_lease_seconds", "_resource_key", b"_resource_key", "account_group", b"account_group", "backoff_base_seconds", b"backoff_base_seconds", "backoff_max_seconds", b"backoff_max_seconds", "cost_estimate_nanos", b"cost_estimate_nanos", "created_at", b"created_at", "daily_cap_nanos", b"daily_cap_nanos", "id", b"id", "lease_seconds", b"lease_seconds", "max_attempts", b"max_attempts", "name", b"name", "paused", b"paused", "reserved_nanos", b"reserved_nanos", "resource_key", b"resource_key", "spent_today_nanos", b"spent_today_nanos"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_account_group", b"_account_group", "_daily_cap_nanos", b"_daily_cap_nanos", "_lease_seconds", b"_lease_seconds", "_max_in_flight", b"_max_in_flight", "_resource_key", b"_resource_key", "account_group", b"account_group", "backoff_base_seconds", b"backoff_base_seconds", "backoff_max_seconds", b"backoff_max_seconds", "cost_estimate_nanos", b"cost_estimate_nanos", "created_at", b"created_at", "daily_cap_nanos", b"daily_cap_nanos", "id", b"id", "lease_seconds", b"lease_seconds", "max_attempts", b"max_attempts", "max_in_flight", b"max_in_flight", "name", b"name", "paused", b"paused", "reserved_nanos", b"reserved_nanos", "resource_key", b"resource_key", "spent_today_nanos", b"spent_today_nanos"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__account_group: _TypeAlias = _typing.Literal["account_group"]  # noqa: Y015
     _WhichOneofArgType__account_group: _TypeAlias = _typing.Literal["_account_group", b"_account_group"]  # noqa: Y015
@@ -462,6 +472,8 @@ class Tool(_message.Message):
     _WhichOneofArgType__daily_cap_nanos: _TypeAlias = _typing.Literal["_daily_cap_nanos", b"_daily_cap_nanos"]  # noqa: Y015
     _WhichOneofReturnType__lease_seconds: _TypeAlias = _typing.Literal["lease_seconds"]  # noqa: Y015
     _WhichOneofArgType__lease_seconds: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds"]  # noqa: Y015
+    _WhichOneofReturnType__max_in_flight: _TypeAlias = _typing.Literal["max_in_flight"]  # noqa: Y015
+    _WhichOneofArgType__max_in_flight: _TypeAlias = _typing.Literal["_max_in_flight", b"_max_in_flight"]  # noqa: Y015
     _WhichOneofReturnType__resource_key: _TypeAlias = _typing.Literal["resource_key"]  # noqa: Y015
     _WhichOneofArgType__resource_key: _TypeAlias = _typing.Literal["_resource_key", b"_resource_key"]  # noqa: Y015
     @_typing.overload
@@ -470,6 +482,8 @@ class Tool(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__daily_cap_nanos) -> _WhichOneofReturnType__daily_cap_nanos | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__lease_seconds) -> _WhichOneofReturnType__lease_seconds | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_in_flight) -> _WhichOneofReturnType__max_in_flight | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__resource_key) -> _WhichOneofReturnType__resource_key | None: ...
 
@@ -1081,8 +1095,11 @@ class CompleteTaskRequest(_message.Message):
     LEASE_TOKEN_FIELD_NUMBER: _builtins.int
     OUTPUT_FIELD_NUMBER: _builtins.int
     REPORTED_USAGE_FIELD_NUMBER: _builtins.int
+    RESOURCE_KEY_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     lease_token: _builtins.str
+    resource_key: _builtins.str
+    """The resource key the run used, as in FailTaskRequest: its run of failures ends."""
     @_builtins.property
     def output(self) -> _struct_pb2.Struct: ...
     @_builtins.property
@@ -1094,10 +1111,11 @@ class CompleteTaskRequest(_message.Message):
         lease_token: _builtins.str = ...,
         output: _struct_pb2.Struct | None = ...,
         reported_usage: Global___ReportedUsage | None = ...,
+        resource_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["output", b"output", "reported_usage", b"reported_usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_token", b"lease_token", "output", b"output", "reported_usage", b"reported_usage", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_token", b"lease_token", "output", b"output", "reported_usage", b"reported_usage", "resource_key", b"resource_key", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1133,6 +1151,7 @@ class FailTaskRequest(_message.Message):
     INCREMENT_RETRY_FIELD_NUMBER: _builtins.int
     FAILURE_FIELD_NUMBER: _builtins.int
     REPORTED_USAGE_FIELD_NUMBER: _builtins.int
+    RESOURCE_KEY_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     lease_token: _builtins.str
     """Empty only for the reaper's forced fail (increment_retry = false, task stale right now)."""
@@ -1140,6 +1159,10 @@ class FailTaskRequest(_message.Message):
     increment_retry: _builtins.bool
     failure: Global___FailureKind.ValueType
     """Overrides increment_retry when set."""
+    resource_key: _builtins.str
+    """The resource key the run used, when its handler fell back from the task's to another
+    (`ctx.use_resource`): the failure counts toward that key's cooldown. Empty: the task's.
+    """
     @_builtins.property
     def reported_usage(self) -> Global___ReportedUsage:
         """What the failed run cost; kept even when the lease was lost."""
@@ -1153,10 +1176,11 @@ class FailTaskRequest(_message.Message):
         increment_retry: _builtins.bool = ...,
         failure: Global___FailureKind.ValueType = ...,
         reported_usage: Global___ReportedUsage | None = ...,
+        resource_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["reported_usage", b"reported_usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "failure", b"failure", "increment_retry", b"increment_retry", "lease_token", b"lease_token", "reported_usage", b"reported_usage", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "failure", b"failure", "increment_retry", b"increment_retry", "lease_token", b"lease_token", "reported_usage", b"reported_usage", "resource_key", b"resource_key", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1360,6 +1384,7 @@ class ConfigureToolRequest(_message.Message):
     DAILY_CAP_NANOS_FIELD_NUMBER: _builtins.int
     PAUSED_FIELD_NUMBER: _builtins.int
     CLEAR_FIELD_NUMBER: _builtins.int
+    MAX_IN_FLIGHT_FIELD_NUMBER: _builtins.int
     tool_id: _builtins.str
     max_attempts: _builtins.int
     backoff_base_seconds: _builtins.int
@@ -1370,10 +1395,11 @@ class ConfigureToolRequest(_message.Message):
     cost_estimate_nanos: _builtins.int
     daily_cap_nanos: _builtins.int
     paused: _builtins.bool
+    max_in_flight: _builtins.int
     @_builtins.property
     def clear(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Settings to reset to their default: lease_seconds, resource_key, account_group,
-        daily_cap_nanos.
+        daily_cap_nanos, max_in_flight.
         """
 
     def __init__(
@@ -1390,10 +1416,11 @@ class ConfigureToolRequest(_message.Message):
         daily_cap_nanos: _builtins.int | None = ...,
         paused: _builtins.bool | None = ...,
         clear: _abc.Iterable[_builtins.str] | None = ...,
+        max_in_flight: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_account_group", b"_account_group", "_backoff_base_seconds", b"_backoff_base_seconds", "_backoff_max_seconds", b"_backoff_max_seconds", "_cost_estimate_nanos", b"_cost_estimate_nanos", "_daily_cap_nanos", b"_daily_cap_nanos", "_lease_seconds", b"_lease_seconds", "_max_attempts", b"_max_attempts", "_paused", b"_paused", "_resource_key", b"_resource_key", "account_group", b"account_group", "backoff_base_seconds", b"backoff_base_seconds", "backoff_max_seconds", b"backoff_max_seconds", "cost_estimate_nanos", b"cost_estimate_nanos", "daily_cap_nanos", b"daily_cap_nanos", "lease_seconds", b"lease_seconds", "max_attempts", b"max_attempts", "paused", b"paused", "resource_key", b"resource_key"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_account_group", b"_account_group", "_backoff_base_seconds", b"_backoff_base_seconds", "_backoff_max_seconds", b"_backoff_max_seconds", "_cost_estimate_nanos", b"_cost_estimate_nanos", "_daily_cap_nanos", b"_daily_cap_nanos", "_lease_seconds", b"_lease_seconds", "_max_attempts", b"_max_attempts", "_max_in_flight", b"_max_in_flight", "_paused", b"_paused", "_resource_key", b"_resource_key", "account_group", b"account_group", "backoff_base_seconds", b"backoff_base_seconds", "backoff_max_seconds", b"backoff_max_seconds", "cost_estimate_nanos", b"cost_estimate_nanos", "daily_cap_nanos", b"daily_cap_nanos", "lease_seconds", b"lease_seconds", "max_attempts", b"max_attempts", "max_in_flight", b"max_in_flight", "paused", b"paused", "resource_key", b"resource_key"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_account_group", b"_account_group", "_backoff_base_seconds", b"_backoff_base_seconds", "_backoff_max_seconds", b"_backoff_max_seconds", "_cost_estimate_nanos", b"_cost_estimate_nanos", "_daily_cap_nanos", b"_daily_cap_nanos", "_lease_seconds", b"_lease_seconds", "_max_attempts", b"_max_attempts", "_paused", b"_paused", "_resource_key", b"_resource_key", "account_group", b"account_group", "backoff_base_seconds", b"backoff_base_seconds", "backoff_max_seconds", b"backoff_max_seconds", "clear", b"clear", "cost_estimate_nanos", b"cost_estimate_nanos", "daily_cap_nanos", b"daily_cap_nanos", "lease_seconds", b"lease_seconds", "max_attempts", b"max_attempts", "paused", b"paused", "resource_key", b"resource_key", "tool_id", b"tool_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_account_group", b"_account_group", "_backoff_base_seconds", b"_backoff_base_seconds", "_backoff_max_seconds", b"_backoff_max_seconds", "_cost_estimate_nanos", b"_cost_estimate_nanos", "_daily_cap_nanos", b"_daily_cap_nanos", "_lease_seconds", b"_lease_seconds", "_max_attempts", b"_max_attempts", "_max_in_flight", b"_max_in_flight", "_paused", b"_paused", "_resource_key", b"_resource_key", "account_group", b"account_group", "backoff_base_seconds", b"backoff_base_seconds", "backoff_max_seconds", b"backoff_max_seconds", "clear", b"clear", "cost_estimate_nanos", b"cost_estimate_nanos", "daily_cap_nanos", b"daily_cap_nanos", "lease_seconds", b"lease_seconds", "max_attempts", b"max_attempts", "max_in_flight", b"max_in_flight", "paused", b"paused", "resource_key", b"resource_key", "tool_id", b"tool_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__account_group: _TypeAlias = _typing.Literal["account_group"]  # noqa: Y015
     _WhichOneofArgType__account_group: _TypeAlias = _typing.Literal["_account_group", b"_account_group"]  # noqa: Y015
@@ -1409,6 +1436,8 @@ class ConfigureToolRequest(_message.Message):
     _WhichOneofArgType__lease_seconds: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds"]  # noqa: Y015
     _WhichOneofReturnType__max_attempts: _TypeAlias = _typing.Literal["max_attempts"]  # noqa: Y015
     _WhichOneofArgType__max_attempts: _TypeAlias = _typing.Literal["_max_attempts", b"_max_attempts"]  # noqa: Y015
+    _WhichOneofReturnType__max_in_flight: _TypeAlias = _typing.Literal["max_in_flight"]  # noqa: Y015
+    _WhichOneofArgType__max_in_flight: _TypeAlias = _typing.Literal["_max_in_flight", b"_max_in_flight"]  # noqa: Y015
     _WhichOneofReturnType__paused: _TypeAlias = _typing.Literal["paused"]  # noqa: Y015
     _WhichOneofArgType__paused: _TypeAlias = _typing.Literal["_paused", b"_paused"]  # noqa: Y015
     _WhichOneofReturnType__resource_key: _TypeAlias = _typing.Literal["resource_key"]  # noqa: Y015
@@ -1427,6 +1456,8 @@ class ConfigureToolRequest(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__lease_seconds) -> _WhichOneofReturnType__lease_seconds | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_attempts) -> _WhichOneofReturnType__max_attempts | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_in_flight) -> _WhichOneofReturnType__max_in_flight | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__paused) -> _WhichOneofReturnType__paused | None: ...
     @_typing.overload
@@ -2688,3 +2719,107 @@ class ListAuditEntriesResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListAuditEntriesResponse: _TypeAlias = ListAuditEntriesResponse  # noqa: Y015
+
+@_typing.final
+class SetResourceLimitRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESOURCE_KEY_FIELD_NUMBER: _builtins.int
+    MAX_IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    resource_key: _builtins.str
+    max_in_flight: _builtins.int
+    """1 to 100,000; unset removes the limit."""
+    def __init__(
+        self,
+        *,
+        resource_key: _builtins.str = ...,
+        max_in_flight: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_in_flight", b"_max_in_flight", "max_in_flight", b"max_in_flight"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_in_flight", b"_max_in_flight", "max_in_flight", b"max_in_flight", "resource_key", b"resource_key"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__max_in_flight: _TypeAlias = _typing.Literal["max_in_flight"]  # noqa: Y015
+    _WhichOneofArgType__max_in_flight: _TypeAlias = _typing.Literal["_max_in_flight", b"_max_in_flight"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_in_flight) -> _WhichOneofReturnType__max_in_flight | None: ...
+
+Global___SetResourceLimitRequest: _TypeAlias = SetResourceLimitRequest  # noqa: Y015
+
+@_typing.final
+class SetResourceLimitResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESOURCE_KEY_FIELD_NUMBER: _builtins.int
+    MAX_IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    resource_key: _builtins.str
+    max_in_flight: _builtins.int
+    def __init__(
+        self,
+        *,
+        resource_key: _builtins.str = ...,
+        max_in_flight: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_in_flight", b"_max_in_flight", "max_in_flight", b"max_in_flight"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_in_flight", b"_max_in_flight", "max_in_flight", b"max_in_flight", "resource_key", b"resource_key"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__max_in_flight: _TypeAlias = _typing.Literal["max_in_flight"]  # noqa: Y015
+    _WhichOneofArgType__max_in_flight: _TypeAlias = _typing.Literal["_max_in_flight", b"_max_in_flight"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_in_flight) -> _WhichOneofReturnType__max_in_flight | None: ...
+
+Global___SetResourceLimitResponse: _TypeAlias = SetResourceLimitResponse  # noqa: Y015
+
+@_typing.final
+class GetResourceKeyRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESOURCE_KEY_FIELD_NUMBER: _builtins.int
+    resource_key: _builtins.str
+    def __init__(
+        self,
+        *,
+        resource_key: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["resource_key", b"resource_key"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetResourceKeyRequest: _TypeAlias = GetResourceKeyRequest  # noqa: Y015
+
+@_typing.final
+class GetResourceKeyResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESOURCE_KEY_FIELD_NUMBER: _builtins.int
+    COOLING_FIELD_NUMBER: _builtins.int
+    COOLING_UNTIL_FIELD_NUMBER: _builtins.int
+    CONSECUTIVE_FAILURES_FIELD_NUMBER: _builtins.int
+    MAX_IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    resource_key: _builtins.str
+    cooling: _builtins.bool
+    """Cooling now (the database's clock), until cooling_until."""
+    consecutive_failures: _builtins.int
+    """Retryable failures in a row so far (reset by a success and when a cooldown starts)."""
+    max_in_flight: _builtins.int
+    @_builtins.property
+    def cooling_until(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        resource_key: _builtins.str = ...,
+        cooling: _builtins.bool = ...,
+        cooling_until: _timestamp_pb2.Timestamp | None = ...,
+        consecutive_failures: _builtins.int = ...,
+        max_in_flight: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_in_flight", b"_max_in_flight", "cooling_until", b"cooling_until", "max_in_flight", b"max_in_flight"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_in_flight", b"_max_in_flight", "consecutive_failures", b"consecutive_failures", "cooling", b"cooling", "cooling_until", b"cooling_until", "max_in_flight", b"max_in_flight", "resource_key", b"resource_key"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__max_in_flight: _TypeAlias = _typing.Literal["max_in_flight"]  # noqa: Y015
+    _WhichOneofArgType__max_in_flight: _TypeAlias = _typing.Literal["_max_in_flight", b"_max_in_flight"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_in_flight) -> _WhichOneofReturnType__max_in_flight | None: ...
+
+Global___GetResourceKeyResponse: _TypeAlias = GetResourceKeyResponse  # noqa: Y015

@@ -134,6 +134,16 @@ class GenerationDataServiceStub:
                 request_serializer=generation_dot_task_dot_v1_dot_task__pb2.GetSettingsRequest.SerializeToString,
                 response_deserializer=generation_dot_task_dot_v1_dot_task__pb2.GetSettingsResponse.FromString,
                 _registered_method=True)
+        self.SetResourceLimit = channel.unary_unary(
+                '/generation.task.v1.GenerationDataService/SetResourceLimit',
+                request_serializer=generation_dot_task_dot_v1_dot_task__pb2.SetResourceLimitRequest.SerializeToString,
+                response_deserializer=generation_dot_task_dot_v1_dot_task__pb2.SetResourceLimitResponse.FromString,
+                _registered_method=True)
+        self.GetResourceKey = channel.unary_unary(
+                '/generation.task.v1.GenerationDataService/GetResourceKey',
+                request_serializer=generation_dot_task_dot_v1_dot_task__pb2.GetResourceKeyRequest.SerializeToString,
+                response_deserializer=generation_dot_task_dot_v1_dot_task__pb2.GetResourceKeyResponse.FromString,
+                _registered_method=True)
         self.ReleaseCooldown = channel.unary_unary(
                 '/generation.task.v1.GenerationDataService/ReleaseCooldown',
                 request_serializer=generation_dot_task_dot_v1_dot_task__pb2.ReleaseCooldownRequest.SerializeToString,
@@ -244,7 +254,7 @@ class GenerationDataServiceServicer:
         """Claims the next task of a tool (generation.claim_tasks_v2 with a limit of 1: one UPDATE of
         the row a locked, index-ordered sub-select picked). With `wait`, a claim that finds nothing
         parks in the service until a task for the tool is committed (woken in-process, or through
-        Redis from other replicas), re-checking at least every GENQ_CLAIM_RECHECK_SECONDS, and
+        Redis from other replicas), re-checking at least every GENQ_RECHECK_SECONDS, and
         returns empty when the wait runs out.
         Order: reclaimed zombies first, then priority (higher first), then FIFO. Rows whose retries
         are used up are never claimed. A claim costs no retry: a run is charged when it ends
@@ -386,6 +396,23 @@ class GenerationDataServiceServicer:
     def GetSettings(self, request, context):
         """Reads the global settings and today's spend; the overrides are this replica's environment
         and every live replica's, as every claim applies them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetResourceLimit(self, request, context):
+        """Sets (or, with max_in_flight unset, removes) the limit on how many tasks of a resource key
+        run at once, across tools; a claim beyond it leaves the key's tasks queued and answers
+        IDLE_REASON_BUSY when nothing else was claimable.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetResourceKey(self, request, context):
+        """A resource key's state: cooling (until when, after how many failures) and its concurrency
+        limit. A handler asks it before it picks a model (`ctx.resource_cooling`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -595,6 +622,16 @@ def add_GenerationDataServiceServicer_to_server(servicer, server):
                     servicer.GetSettings,
                     request_deserializer=generation_dot_task_dot_v1_dot_task__pb2.GetSettingsRequest.FromString,
                     response_serializer=generation_dot_task_dot_v1_dot_task__pb2.GetSettingsResponse.SerializeToString,
+            ),
+            'SetResourceLimit': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetResourceLimit,
+                    request_deserializer=generation_dot_task_dot_v1_dot_task__pb2.SetResourceLimitRequest.FromString,
+                    response_serializer=generation_dot_task_dot_v1_dot_task__pb2.SetResourceLimitResponse.SerializeToString,
+            ),
+            'GetResourceKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetResourceKey,
+                    request_deserializer=generation_dot_task_dot_v1_dot_task__pb2.GetResourceKeyRequest.FromString,
+                    response_serializer=generation_dot_task_dot_v1_dot_task__pb2.GetResourceKeyResponse.SerializeToString,
             ),
             'ReleaseCooldown': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseCooldown,
@@ -1180,6 +1217,60 @@ class GenerationDataService:
             '/generation.task.v1.GenerationDataService/GetSettings',
             generation_dot_task_dot_v1_dot_task__pb2.GetSettingsRequest.SerializeToString,
             generation_dot_task_dot_v1_dot_task__pb2.GetSettingsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetResourceLimit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/generation.task.v1.GenerationDataService/SetResourceLimit',
+            generation_dot_task_dot_v1_dot_task__pb2.SetResourceLimitRequest.SerializeToString,
+            generation_dot_task_dot_v1_dot_task__pb2.SetResourceLimitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetResourceKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/generation.task.v1.GenerationDataService/GetResourceKey',
+            generation_dot_task_dot_v1_dot_task__pb2.GetResourceKeyRequest.SerializeToString,
+            generation_dot_task_dot_v1_dot_task__pb2.GetResourceKeyResponse.FromString,
             options,
             channel_credentials,
             insecure,

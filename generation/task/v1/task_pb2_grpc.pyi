@@ -60,7 +60,7 @@ class GenerationDataServiceStub:
     """Claims the next task of a tool (generation.claim_tasks_v2 with a limit of 1: one UPDATE of
     the row a locked, index-ordered sub-select picked). With `wait`, a claim that finds nothing
     parks in the service until a task for the tool is committed (woken in-process, or through
-    Redis from other replicas), re-checking at least every GENQ_CLAIM_RECHECK_SECONDS, and
+    Redis from other replicas), re-checking at least every GENQ_RECHECK_SECONDS, and
     returns empty when the wait runs out.
     Order: reclaimed zombies first, then priority (higher first), then FIFO. Rows whose retries
     are used up are never claimed. A claim costs no retry: a run is charged when it ends
@@ -141,6 +141,15 @@ class GenerationDataServiceStub:
     GetSettings: _grpc.UnaryUnaryMultiCallable[_task_pb2.GetSettingsRequest, _task_pb2.GetSettingsResponse]
     """Reads the global settings and today's spend; the overrides are this replica's environment
     and every live replica's, as every claim applies them.
+    """
+    SetResourceLimit: _grpc.UnaryUnaryMultiCallable[_task_pb2.SetResourceLimitRequest, _task_pb2.SetResourceLimitResponse]
+    """Sets (or, with max_in_flight unset, removes) the limit on how many tasks of a resource key
+    run at once, across tools; a claim beyond it leaves the key's tasks queued and answers
+    IDLE_REASON_BUSY when nothing else was claimable.
+    """
+    GetResourceKey: _grpc.UnaryUnaryMultiCallable[_task_pb2.GetResourceKeyRequest, _task_pb2.GetResourceKeyResponse]
+    """A resource key's state: cooling (until when, after how many failures) and its concurrency
+    limit. A handler asks it before it picks a model (`ctx.resource_cooling`).
     """
     ReleaseCooldown: _grpc.UnaryUnaryMultiCallable[_task_pb2.ReleaseCooldownRequest, _task_pb2.ReleaseCooldownResponse]
     """Ends a resource key's cooldown now."""
@@ -224,7 +233,7 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     """Claims the next task of a tool (generation.claim_tasks_v2 with a limit of 1: one UPDATE of
     the row a locked, index-ordered sub-select picked). With `wait`, a claim that finds nothing
     parks in the service until a task for the tool is committed (woken in-process, or through
-    Redis from other replicas), re-checking at least every GENQ_CLAIM_RECHECK_SECONDS, and
+    Redis from other replicas), re-checking at least every GENQ_RECHECK_SECONDS, and
     returns empty when the wait runs out.
     Order: reclaimed zombies first, then priority (higher first), then FIFO. Rows whose retries
     are used up are never claimed. A claim costs no retry: a run is charged when it ends
@@ -305,6 +314,15 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     GetSettings: _aio.UnaryUnaryMultiCallable[_task_pb2.GetSettingsRequest, _task_pb2.GetSettingsResponse]  # type: ignore[assignment]
     """Reads the global settings and today's spend; the overrides are this replica's environment
     and every live replica's, as every claim applies them.
+    """
+    SetResourceLimit: _aio.UnaryUnaryMultiCallable[_task_pb2.SetResourceLimitRequest, _task_pb2.SetResourceLimitResponse]  # type: ignore[assignment]
+    """Sets (or, with max_in_flight unset, removes) the limit on how many tasks of a resource key
+    run at once, across tools; a claim beyond it leaves the key's tasks queued and answers
+    IDLE_REASON_BUSY when nothing else was claimable.
+    """
+    GetResourceKey: _aio.UnaryUnaryMultiCallable[_task_pb2.GetResourceKeyRequest, _task_pb2.GetResourceKeyResponse]  # type: ignore[assignment]
+    """A resource key's state: cooling (until when, after how many failures) and its concurrency
+    limit. A handler asks it before it picks a model (`ctx.resource_cooling`).
     """
     ReleaseCooldown: _aio.UnaryUnaryMultiCallable[_task_pb2.ReleaseCooldownRequest, _task_pb2.ReleaseCooldownResponse]  # type: ignore[assignment]
     """Ends a resource key's cooldown now."""
@@ -409,7 +427,7 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         """Claims the next task of a tool (generation.claim_tasks_v2 with a limit of 1: one UPDATE of
         the row a locked, index-ordered sub-select picked). With `wait`, a claim that finds nothing
         parks in the service until a task for the tool is committed (woken in-process, or through
-        Redis from other replicas), re-checking at least every GENQ_CLAIM_RECHECK_SECONDS, and
+        Redis from other replicas), re-checking at least every GENQ_RECHECK_SECONDS, and
         returns empty when the wait runs out.
         Order: reclaimed zombies first, then priority (higher first), then FIFO. Rows whose retries
         are used up are never claimed. A claim costs no retry: a run is charged when it ends
@@ -580,6 +598,27 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_task_pb2.GetSettingsResponse, _abc.Awaitable[_task_pb2.GetSettingsResponse]]:
         """Reads the global settings and today's spend; the overrides are this replica's environment
         and every live replica's, as every claim applies them.
+        """
+
+    @_abc_1.abstractmethod
+    def SetResourceLimit(
+        self,
+        request: _task_pb2.SetResourceLimitRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_task_pb2.SetResourceLimitResponse, _abc.Awaitable[_task_pb2.SetResourceLimitResponse]]:
+        """Sets (or, with max_in_flight unset, removes) the limit on how many tasks of a resource key
+        run at once, across tools; a claim beyond it leaves the key's tasks queued and answers
+        IDLE_REASON_BUSY when nothing else was claimable.
+        """
+
+    @_abc_1.abstractmethod
+    def GetResourceKey(
+        self,
+        request: _task_pb2.GetResourceKeyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_task_pb2.GetResourceKeyResponse, _abc.Awaitable[_task_pb2.GetResourceKeyResponse]]:
+        """A resource key's state: cooling (until when, after how many failures) and its concurrency
+        limit. A handler asks it before it picks a model (`ctx.resource_cooling`).
         """
 
     @_abc_1.abstractmethod

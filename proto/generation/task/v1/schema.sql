@@ -33,6 +33,8 @@ CREATE TABLE generation.tools (
     -- The part of spent_day's global cap granted to this tool (generation.grant_share_v1): it
     -- covers the tool's spend and reservations, so paid claims lock only their tool's row.
     granted_nanos bigint NOT NULL DEFAULT 0,
+    -- At most this many of its tasks run at once (NULL: no limit); alembic 0009.
+    max_in_flight integer,
     CONSTRAINT tools_name_key UNIQUE (name),
     CONSTRAINT tools_name_length CHECK (char_length(name) BETWEEN 1 AND 200),
     CONSTRAINT tools_max_attempts_range CHECK (max_attempts BETWEEN 0 AND 100),
@@ -40,6 +42,7 @@ CREATE TABLE generation.tools (
         CHECK (backoff_base_seconds >= 0 AND backoff_max_seconds >= backoff_base_seconds),
     -- The floor: a shorter lease cannot be kept alive across one slow heartbeat.
     CONSTRAINT tools_lease_floor CHECK (lease_seconds >= 10),
+    CONSTRAINT tools_max_in_flight_positive CHECK (max_in_flight >= 1),
     CONSTRAINT tools_money_nonnegative
         CHECK (cost_estimate_nanos >= 0 AND daily_cap_nanos >= 0
                AND spent_nanos >= 0 AND reserved_nanos >= 0 AND granted_nanos >= 0)
@@ -225,6 +228,14 @@ CREATE TABLE generation.cooldowns (
     cooling_until timestamptz
 );
 
+-- How many tasks of a resource key may run at once, across tools (alembic 0009): a provider's
+-- concurrency limit for a model, say.
+CREATE TABLE generation.resource_limits (
+    resource_key text PRIMARY KEY,
+    max_in_flight integer NOT NULL,
+    CONSTRAINT resource_limits_max_in_flight_positive CHECK (max_in_flight >= 1)
+);
+
 -- Account holds per group, after an account error (out of credit, say).
 CREATE TABLE generation.holds (
     account_group text PRIMARY KEY,
@@ -260,6 +271,8 @@ CREATE INDEX attempts_local_day_idx ON generation.attempts (local_day);
 -- When each tool last claimed (a worker is alive), and the last hour's throughput.
 CREATE INDEX attempts_tool_started_idx ON generation.attempts (tool_id, started_at);
 CREATE INDEX attempts_ended_idx ON generation.attempts (ended_at);
+-- Runs in flight per resource key, for its concurrency limit (alembic 0009).
+CREATE INDEX attempts_running_idx ON generation.attempts (resource_key) WHERE outcome = 'running';
 
 -- When a worker last asked for each tool's work (a claim call, claimed or not).
 CREATE TABLE generation.tool_polls (
@@ -316,8 +329,8 @@ CREATE TABLE generation.audit (
 );
 
 -- The write transitions, one function each (docs/ARCHITECTURE.md: "Transitions"). Each locks what
--- it changes first, then decides, in the one lock order: task rows, attempts, tools, settings,
--- cooldowns and holds, tool_polls. A change adds a `_v2` beside `_v1` (docs/OPERATIONS.md).
+-- it changes first, then decides, in the one lock order: task rows, attempts, resource limits,
+-- tools, settings, cooldowns and holds, tool_polls. A change adds a `_v2` beside `_v1` (docs/OPERATIONS.md).
 
 -- Whether a cost fits under a cap, given the spend counters: spend counts on `today` only, an
 -- estimate must fit (<= cap), and a task estimated at 0 needs the total strictly below the cap.
@@ -397,11 +410,12 @@ $$;
 -- reservation is released (once) and the cost added (also for a late report under a lost lease:
 -- billed is billed) when the attempt started on the counters' day, today (an earlier day's
 -- counters, reservations included, were dropped with that day); the resource key's cooldown and
--- the account group's hold are kept. A second close of the same attempt changes nothing, so a retried call cannot count
+-- the account group's hold are kept, on the key the run reports it used (p_resource_key: a
+-- handler that fell back to another model) or else the one it was claimed with. A second close of the same attempt changes nothing, so a retried call cannot count
 -- twice. The caller holds the task's row lock.
 CREATE FUNCTION generation.close_attempt_v2(
     p_task uuid, p_token uuid, p_closing generation.attempt_outcome, p_cost bigint,
-    p_retryable boolean
+    p_retryable boolean, p_resource_key text
 ) RETURNS generation.attempts
 LANGUAGE plpgsql
 AS $$
@@ -429,6 +443,8 @@ BEGIN
     -- 3. Close the run with its cost.
     UPDATE generation.attempts
     SET outcome = CASE WHEN a.outcome = 'running' THEN p_closing ELSE 'lease_lost' END,
+        resource_key = CASE WHEN a.outcome = 'running' THEN COALESCE(p_resource_key, resource_key)
+                            ELSE resource_key END,
         cost_nanos = cost_nanos + p_cost,
         ended_at = COALESCE(ended_at, now())
     WHERE task_id = a.task_id AND attempt = a.attempt
@@ -536,7 +552,7 @@ BEGIN
         last_event_seq = q.last_event_seq + 1
     WHERE q.id = t.id
     RETURNING q.* INTO back;
-    PERFORM generation.close_attempt_v2(t.id, t.lease_token, 'unconfirmed', 0, false);
+    PERFORM generation.close_attempt_v2(t.id, t.lease_token, 'unconfirmed', 0, false, NULL);
     RETURN QUERY SELECT back, generation.append_event_v1(
         t.id, ending::generation.task_event_kind,
         jsonb_build_object('reason', CASE WHEN p_lapsed THEN 'claim answer lost'
@@ -579,7 +595,7 @@ BEGIN
         last_event_seq = q.last_event_seq + 1
     WHERE q.id = t.id
     RETURNING q.* INTO t;
-    PERFORM generation.close_attempt_v2(t.id, prior, 'abandoned', 0, false);
+    PERFORM generation.close_attempt_v2(t.id, prior, 'abandoned', 0, false, NULL);
     RETURN QUERY SELECT t, generation.append_event_v1(
         t.id, ending::generation.task_event_kind,
         jsonb_build_object('reason', 'lease lapsed', 'error', t.error, 'retry_count', t.retry_count));
@@ -633,8 +649,10 @@ $$;
 -- Claims up to p_limit tasks of a tool, in claim order: reclaimed zombies first, then priority
 -- (higher first), then FIFO. Each starts a run: a fresh lease token, an attempt in the ledger,
 -- a `started` event. Spend is admitted task by task and the batch stops at the first task the
--- caps have no room for. No retry is charged here: a run is charged when it ends unsuccessfully
--- (and only once its worker confirmed the claim). With nothing claimed, one row says why.
+-- caps have no room for. The concurrency limits (max_in_flight of the tool and of the tasks'
+-- resource keys) are kept the same way: a task whose key is busy stays queued, a busy tool stops
+-- the batch. No retry is charged here: a run is charged when it ends unsuccessfully (and only
+-- once its worker confirmed the claim). With nothing claimed, one row says why.
 CREATE FUNCTION generation.claim_tasks_v2(
     p_tool uuid, p_limit integer, p_lease_seconds integer, p_disabled boolean, p_cap bigint
 ) RETURNS TABLE (task generation.tasks, lease_seconds integer, idle_reason text, event jsonb)
@@ -664,6 +682,12 @@ DECLARE
     granted bigint;
     grant_made record;
     reserving bigint := 0;
+    in_flight integer;
+    limits record;
+    key_room jsonb := '{}';
+    full_keys text[];
+    tool_busy boolean;
+    busy boolean := false;
     head record;
     has_head boolean;
 BEGIN
@@ -691,8 +715,22 @@ BEGIN
                             WHERE c.resource_key = default_key AND c.cooling_until > now());
     tool_held := EXISTS (SELECT 1 FROM generation.holds AS h
                          WHERE h.account_group = default_group AND h.held_until > now());
+    -- Keys at their concurrency limit, and whether the tool is at its own (counted unlocked,
+    -- and again under lock in step 3; each count stops at the limit).
+    SELECT COALESCE(array_agg(l.resource_key), '{}') INTO full_keys
+    FROM generation.resource_limits AS l
+    WHERE (SELECT count(*) FROM (
+               SELECT 1 FROM generation.attempts AS a
+               WHERE a.resource_key = l.resource_key AND a.outcome = 'running'
+               LIMIT l.max_in_flight) AS running) >= l.max_in_flight;
+    tool_busy := default_key = ANY (full_keys) OR CASE WHEN tool.max_in_flight IS NULL THEN false
+        ELSE tool.max_in_flight <= (
+            SELECT count(*) FROM (
+                SELECT 1 FROM generation.tasks AS q
+                WHERE q.tool_id = p_tool AND q.status = 'processing'
+                LIMIT tool.max_in_flight) AS running) END;
 
-    IF blocked IS NULL AND NOT tool_cooling AND NOT tool_held THEN
+    IF blocked IS NULL AND NOT tool_cooling AND NOT tool_held AND NOT tool_busy THEN
         -- 2. Lock up to p_limit claimable tasks in claim order, skipping rows other claimers
         --    hold (tasks_claim_idx serves this as an index-ordered top-N).
         FOR picked IN
@@ -708,6 +746,7 @@ BEGIN
               AND (q.account_group IS NULL OR NOT EXISTS (
                     SELECT 1 FROM generation.holds AS h
                     WHERE h.account_group = q.account_group AND h.held_until > now()))
+              AND (q.resource_key IS NULL OR NOT q.resource_key = ANY (full_keys))
             ORDER BY q.reclaimed DESC, q.priority DESC, q.run_at
             LIMIT p_limit
             FOR NO KEY UPDATE OF q SKIP LOCKED
@@ -718,11 +757,48 @@ BEGIN
             groups := groups || picked.account_group;
         END LOOP;
 
-        -- 3. Admit in claim order under the tool's own cap and within its share of the global
-        --    cap (counters of an earlier day count as nothing). The tool's row is locked at the
-        --    first task carrying an estimate; tasks estimated at 0 reserve nothing and read the
-        --    counters unlocked.
+        -- 3. The concurrency limits: lock the picked keys' limits (in key order: claims of one
+        --    key across tools take turns) and count what runs of each key, then the tool's
+        --    (under its row lock). Counting stops at the limit, so the cost is the limit's.
+        FOR limits IN
+            SELECT l.resource_key, l.max_in_flight - (
+                       SELECT count(*) FROM (
+                           SELECT 1 FROM generation.attempts AS a
+                           WHERE a.resource_key = l.resource_key AND a.outcome = 'running'
+                           LIMIT l.max_in_flight) AS running) AS room
+            FROM generation.resource_limits AS l
+            WHERE l.resource_key = ANY (keys)
+            ORDER BY l.resource_key
+            FOR NO KEY UPDATE OF l
+        LOOP
+            key_room := key_room || jsonb_build_object(limits.resource_key, limits.room);
+        END LOOP;
+        IF tool.max_in_flight IS NOT NULL AND array_length(ids, 1) > 0 THEN
+            SELECT * INTO tool FROM generation.tools AS t WHERE t.id = p_tool FOR NO KEY UPDATE;
+            spend_locked := true;
+            used := CASE WHEN tool.spent_day = today
+                         THEN tool.spent_nanos + tool.reserved_nanos ELSE 0 END;
+            share := CASE WHEN tool.spent_day = today THEN tool.granted_nanos ELSE 0 END;
+            SELECT tool.max_in_flight - count(*) INTO in_flight FROM (
+                SELECT 1 FROM generation.tasks AS q
+                WHERE q.tool_id = p_tool AND q.status = 'processing'
+                LIMIT tool.max_in_flight) AS running;
+        END IF;
+
+        -- 4. Admit in claim order: within the limits (a task whose key is busy stays queued and
+        --    the next is tried; a busy tool stops the claim), under the tool's own cap and
+        --    within its share of the global cap (counters of an earlier day count as nothing).
+        --    The tool's row is locked at the first task carrying an estimate; tasks estimated
+        --    at 0 reserve nothing and read the counters unlocked.
         FOR i IN 1 .. COALESCE(array_length(ids, 1), 0) LOOP
+            IF in_flight IS NOT NULL AND in_flight <= 0 THEN
+                busy := true;
+                EXIT;
+            END IF;
+            IF (key_room ->> keys[i])::integer <= 0 THEN
+                busy := true;
+                CONTINUE;
+            END IF;
             IF estimates[i] > 0 AND NOT spend_locked THEN
                 SELECT * INTO tool FROM generation.tools AS t WHERE t.id = p_tool FOR NO KEY UPDATE;
                 spend_locked := true;
@@ -747,10 +823,15 @@ BEGIN
             END IF;
             reserving := reserving + estimates[i];
             admitted := admitted || ids[i];
+            in_flight := in_flight - 1;
+            IF key_room ? keys[i] THEN
+                key_room := jsonb_set(key_room, ARRAY[keys[i]],
+                                      to_jsonb((key_room ->> keys[i])::integer - 1));
+            END IF;
         END LOOP;
     END IF;
 
-    -- 4. A worker asked for the tool's work (noted at most every 5 s): the watchdog's sign that
+    -- 5. A worker asked for the tool's work (noted at most every 5 s): the watchdog's sign that
     --    someone is coming for it.
     INSERT INTO generation.tool_polls AS p (tool_id, polled_at)
     SELECT p_tool, now()
@@ -759,9 +840,9 @@ BEGIN
     ON CONFLICT (tool_id) DO UPDATE SET polled_at = EXCLUDED.polled_at;
 
     IF array_length(admitted, 1) IS NULL THEN
-        -- 5. Nothing claimed: say why, from the first reason that holds.
+        -- 6. Nothing claimed: say why, from the first reason that holds.
         IF blocked IS NULL AND array_length(ids, 1) > 0 THEN
-            blocked := 'capped';
+            blocked := CASE WHEN busy THEN 'busy' ELSE 'capped' END;
         END IF;
         IF blocked IS NULL THEN
             SELECT COALESCE(q.resource_key, default_key) AS resource_key,
@@ -775,6 +856,7 @@ BEGIN
                 WHEN NOT has_head THEN 'empty'
                 WHEN tool_held THEN 'held'
                 WHEN tool_cooling THEN 'cooling'
+                WHEN tool_busy OR head.resource_key = ANY (full_keys) THEN 'busy'
                 WHEN EXISTS (SELECT 1 FROM generation.holds AS h
                              WHERE h.account_group = head.account_group AND h.held_until > now())
                     THEN 'held'
@@ -787,7 +869,7 @@ BEGIN
         RETURN;
     END IF;
 
-    -- 6. Reserve the admitted estimates in the tool's row (locked in step 3), with its share.
+    -- 7. Reserve the admitted estimates in the tool's row (locked in step 4), with its share.
     IF reserving > 0 THEN
         UPDATE generation.tools AS t
         SET spent_nanos = CASE WHEN t.spent_day = today THEN t.spent_nanos ELSE 0 END,
@@ -797,7 +879,7 @@ BEGIN
         WHERE t.id = p_tool;
     END IF;
 
-    -- 7. Start the runs: a fresh, unconfirmed lease each, an attempt, a `started` event.
+    -- 8. Start the runs: a fresh, unconfirmed lease each, an attempt, a `started` event.
     RETURN QUERY
     WITH started AS (
         UPDATE generation.tasks AS t
@@ -870,7 +952,7 @@ $$;
 -- answer, or a second call racing the first) gets the same task back with nothing changed; any
 -- other caller whose lease is gone changes nothing but its attempt's cost.
 CREATE FUNCTION generation.complete_task_v2(
-    p_task uuid, p_token uuid, p_output jsonb, p_usage jsonb, p_cost bigint
+    p_task uuid, p_token uuid, p_output jsonb, p_usage jsonb, p_cost bigint, p_resource_key text
 ) RETURNS TABLE (task_found boolean, task generation.tasks, event jsonb)
 LANGUAGE plpgsql
 AS $$
@@ -899,7 +981,8 @@ BEGIN
         RETURNING q.* INTO t;
         -- 3. Close its attempt with the cost; 4. the terminal event, last in the stream.
         PERFORM generation.close_attempt_v2(
-            p_task, p_token, t.status::text::generation.attempt_outcome, p_cost, false);
+            p_task, p_token, t.status::text::generation.attempt_outcome, p_cost, false,
+            p_resource_key);
         RETURN QUERY SELECT true, t,
             generation.append_event_v1(p_task, t.status::text::generation.task_event_kind, NULL);
         RETURN;
@@ -911,7 +994,7 @@ BEGIN
         RETURN;
     END IF;
     -- 6. Else the lease is lost: keep what the run cost, change nothing else.
-    PERFORM generation.close_attempt_v2(p_task, p_token, 'lease_lost', p_cost, false);
+    PERFORM generation.close_attempt_v2(p_task, p_token, 'lease_lost', p_cost, false, NULL);
     RETURN QUERY SELECT true, NULL::generation.tasks, NULL::jsonb;
 END
 $$;
@@ -955,7 +1038,7 @@ BEGIN
     WHERE q.id = p_task
     RETURNING q.* INTO t;
     IF prior IS NOT NULL THEN
-        PERFORM generation.close_attempt_v2(p_task, prior, 'abandoned', 0, false);
+        PERFORM generation.close_attempt_v2(p_task, prior, 'abandoned', 0, false, NULL);
     END IF;
     -- 4. The terminal event.
     RETURN QUERY SELECT true, t, generation.append_event_v1(
@@ -970,7 +1053,7 @@ $$;
 -- whose cancel was asked for: cancelled. Permanent: failed. Without a lease token it is the
 -- reaper's forced fail (reap_task_v2). A retry by the same lease gets the task as it is now.
 CREATE FUNCTION generation.fail_task_v2(
-    p_task uuid, p_token uuid, p_failure text, p_error text, p_cost bigint
+    p_task uuid, p_token uuid, p_failure text, p_error text, p_cost bigint, p_resource_key text
 ) RETURNS TABLE (task_found boolean, forced boolean, task generation.tasks, event jsonb)
 LANGUAGE plpgsql
 AS $$
@@ -1018,7 +1101,7 @@ BEGIN
         -- 3. Close the attempt with its cost; 4. the event (terminal unless requeued).
         PERFORM generation.close_attempt_v2(
             p_task, p_token, ending::generation.attempt_outcome, p_cost,
-            p_failure = 'retryable' AND ending <> 'cancelled');
+            p_failure = 'retryable' AND ending <> 'cancelled', p_resource_key);
         RETURN QUERY SELECT true, false, t, generation.append_event_v1(
             p_task,
             CASE t.status WHEN 'queued' THEN 'requeued' ELSE t.status::text END
@@ -1033,7 +1116,7 @@ BEGIN
         RETURN;
     END IF;
     -- 6. Else the lease is lost: keep what the run cost, change nothing else.
-    PERFORM generation.close_attempt_v2(p_task, p_token, 'lease_lost', p_cost, false);
+    PERFORM generation.close_attempt_v2(p_task, p_token, 'lease_lost', p_cost, false, NULL);
     RETURN QUERY SELECT true, false, NULL::generation.tasks, NULL::jsonb;
 END
 $$;
@@ -1081,7 +1164,7 @@ BEGIN
         WHERE q.id = p_task
         RETURNING q.* INTO t;
         -- 3. Close the attempt with its cost; 4. the event.
-        PERFORM generation.close_attempt_v2(p_task, p_token, ending::generation.attempt_outcome, p_cost, false);
+        PERFORM generation.close_attempt_v2(p_task, p_token, ending::generation.attempt_outcome, p_cost, false, NULL);
         RETURN QUERY SELECT true, t, generation.append_event_v1(
             p_task,
             CASE ending WHEN 'cancelled' THEN 'cancelled' ELSE 'requeued' END
@@ -1096,7 +1179,7 @@ BEGIN
         RETURN;
     END IF;
     -- 6. Else the lease is lost: keep what the run cost, change nothing else.
-    PERFORM generation.close_attempt_v2(p_task, p_token, 'lease_lost', p_cost, false);
+    PERFORM generation.close_attempt_v2(p_task, p_token, 'lease_lost', p_cost, false, NULL);
     RETURN QUERY SELECT true, NULL::generation.tasks, NULL::jsonb;
 END
 $$;

@@ -1,0 +1,177 @@
+"""Lighter statements (issue 9 item 6): pgbench of the service's claim + complete statements
+against pgbench of the spec's own two statements on the spec's own table and claim index.
+
+    .venv/bin/python bench/statements.py [--tasks 150000] [--clients 8] [--seconds 15]
+
+In one run, each line on a database of its own (created, synchronous_commit = on, dropped at the
+end), all loaded the same way: TRUNCATE, `--tasks` queued tasks round-robin over the 4 tools
+00000000-0000-0000-0000-00000000000{1..4}, created_at (and run_at) 1 ms apart, VACUUM ANALYZE of
+the whole database, CHECKPOINT. Each line is `pgbench -n -M prepared -c 8 -j 2 -T 18` (2 s of
+warm-up, then 15 s measured from pgbench's per-transaction log, as bench/claim_complete.py does;
+its session settings jit=off and the service's statement_timeout for all three):
+
+1. spec: ../shared/peers/claim_complete.sql (the spec's claim UPDATE ... FOR UPDATE SKIP LOCKED
+   in a transaction, then its complete) on seed A's table: generation.tasks with the columns of
+   seed A's table, the generation.task_status enum (queued, dispatched, processing, completed,
+   failed), tool_id a foreign key to a generation.tools (id, name), and seed A's partial claim
+   index idx_gen_tasks_queue (tool_id, status DESC, priority DESC, created_at ASC) WHERE status
+   IN ('queued', 'processing'). Seed A gives the columns, the enum and the index, not the DDL
+   text: SPEC_DDL below is written from them.
+2. service: the service's ClaimNextTask and CompleteTask statements (service.rpcs.STATEMENTS)
+   bound as the service binds them (bench/claim_complete.py's `pgbench_script`), unpaid: no cost
+   estimate on the tools, cost_nanos 0 on every completion, on the service's schema
+   (proto/generation/task/v1/schema.sql, migrated with service.migrations, a global daily cap no
+   run reaches).
+3. service paid: the same, with a cost estimate (`--estimate-nanos`) on every tool (so on every
+   task) and a cost (`--cost-nanos`) on every completion, under the same unreachable cap.
+
+`--tasks` must exceed what the fastest line (the spec's) drains in warm-up + seconds: a claim that
+finds the queue empty makes pgbench abort its run (its gset gets no row), and the program stops.
+
+It prints tasks/s (claim + complete pairs) of each with the CPU each party used, and the ratios.
+The bar: service tasks/s >= 0.7 x spec tasks/s (the paid ratio is printed beside it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import psycopg
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script: the project's packages, not an installed copy
+
+from bench.claim_complete import (  # noqa: E402
+    TOOL_IDS,
+    Result,
+    bench_database,
+    describe,
+    load_queue,
+    report,
+    run_pgbench,
+)
+from bench.drain import database, execute  # noqa: E402
+from service.settings import Settings  # noqa: E402
+
+SPEC_SCRIPT = ROOT.parent / "shared" / "peers" / "claim_complete.sql"
+BAR = 0.7
+"""Issue 9 item 6: the service's statements >= 0.7 x the spec's, pgbench, one run."""
+
+SPEC_DDL = """
+CREATE SCHEMA generation;
+CREATE TYPE generation.task_status AS ENUM
+    ('queued', 'dispatched', 'processing', 'completed', 'failed');
+CREATE TABLE generation.tools (
+    id uuid PRIMARY KEY DEFAULT gen_random_uuid(),
+    name text NOT NULL UNIQUE
+);
+CREATE TABLE generation.tasks (
+    id uuid PRIMARY KEY DEFAULT gen_random_uuid(),
+    tool_id uuid NOT NULL REFERENCES generation.tools (id),
+    status generation.task_status NOT NULL DEFAULT 'queued',
+    input jsonb NOT NULL DEFAULT '{}',
+    output jsonb,
+    error text,
+    claim_expires_at timestamptz,
+    retry_count integer NOT NULL DEFAULT 0,
+    max_retries integer NOT NULL DEFAULT 3,
+    priority integer NOT NULL DEFAULT 0,
+    reserved_token_amount bigint NOT NULL DEFAULT 0,
+    billing_idempotency_key text,
+    w3c_traceparent text,
+    created_at timestamptz NOT NULL DEFAULT now(),
+    started_at timestamptz,
+    completed_at timestamptz
+);
+CREATE INDEX idx_gen_tasks_queue
+    ON generation.tasks (tool_id, status DESC, priority DESC, created_at ASC)
+    WHERE status IN ('queued', 'processing');
+"""
+"""Seed A's table, enum and claim index (its "columns that make it a queue" and the other
+columns its RPCs read and write: input, output, error, started_at, completed_at)."""
+
+
+def spec_database_loaded(url: str, tasks: int) -> None:
+    """Seed A's schema with the 4 tools, then the queue loaded as `load_queue` loads the
+    service's (it adapts to the columns it finds: created_at here)."""
+    with psycopg.connect(url, autocommit=True) as connection:
+        connection.execute(SPEC_DDL.encode())
+        for n, tool_id in enumerate(TOOL_IDS, 1):
+            connection.execute(
+                "INSERT INTO generation.tools (id, name) VALUES (%s, %s)",
+                (tool_id, f"bench-tool-{n}"),
+            )
+    load_queue(url, tasks)
+
+
+def show(result: Result, clients: int) -> None:
+    """`report`'s lines, and what the pair cost Postgres (the party every line shares)."""
+    report(result, clients)
+    if result.cores.get("postgres") and result.tasks_per_second:
+        micros = result.cores["postgres"] / result.tasks_per_second * 1e6
+        print(f"{'':<15} postgres CPU per claim+complete pair: {micros:.0f} us")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", type=int, default=150_000, help="queued tasks (150000)")
+    parser.add_argument("--clients", type=int, default=8, help="pgbench -c (8)")
+    parser.add_argument("--seconds", type=float, default=15.0, help="measured seconds (15)")
+    parser.add_argument("--warmup", type=float, default=2.0, help="seconds before measuring (2)")
+    parser.add_argument("--estimate-nanos", type=int, default=1000, help="paid: tool estimate")
+    parser.add_argument("--cost-nanos", type=int, default=1000, help="paid: cost per completion")
+    args = parser.parse_args(argv)
+    if not shutil.which("pgbench"):
+        raise SystemExit("pgbench not found (PATH)")
+    if not SPEC_SCRIPT.exists():
+        raise SystemExit(f"{SPEC_SCRIPT} missing")
+    spec_script: tuple[str, list[str]] = (SPEC_SCRIPT.read_text(), [])
+    # -j: run_pgbench uses min(clients, CPUs), 2 on this machine as the bar's command says.
+    jobs = min(args.clients, os.cpu_count() or 1)
+    print(
+        f"pgbench -n -M prepared -c {args.clients} -j {jobs} -T "
+        f"{args.warmup + args.seconds + 1:g} ({args.warmup:g} s warm-up, {args.seconds:g} s "
+        f"measured); {args.tasks:,} queued tasks over {len(TOOL_IDS)} tools before each line; "
+        f"{os.cpu_count()} CPUs"
+    )
+    results: dict[str, Result] = {}
+    with database("genq_bench_spec") as spec_url, bench_database() as service_url:
+        print(describe(service_url))
+        # The service's binding values (statement_timeout, lease...) as it reads its env.
+        settings = Settings.from_env({**os.environ, "DATABASE_URL": service_url})
+
+        spec_database_loaded(spec_url, args.tasks)
+        results["spec"] = run_pgbench(args, spec_url, settings, spec_script, name="spec")
+        show(results["spec"], args.clients)
+
+        execute(service_url, "UPDATE generation.tools SET cost_estimate_nanos = 0")
+        load_queue(service_url, args.tasks)
+        unpaid = argparse.Namespace(**{**vars(args), "cost_nanos": 0})
+        results["service"] = run_pgbench(unpaid, service_url, settings, name="service")
+        show(results["service"], args.clients)
+
+        execute(
+            service_url,
+            f"UPDATE generation.tools SET cost_estimate_nanos = {int(args.estimate_nanos)}",
+        )
+        load_queue(service_url, args.tasks)
+        results["paid"] = run_pgbench(args, service_url, settings, name="service paid")
+        show(results["paid"], args.clients)
+
+    spec = results["spec"].tasks_per_second
+    if not spec:
+        print("spec line measured nothing")
+        return 1
+    for key, label in (("service", "service (unpaid)"), ("paid", "service paid")):
+        ratio = results[key].tasks_per_second / spec
+        verdict = "meets" if ratio >= BAR else "MISSES"
+        print(f"ratio {label} / spec: {ratio:.2f} (bar >= {BAR} x: {verdict})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
