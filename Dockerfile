@@ -12,6 +12,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 # migrations (alembic/ as the package genq_migrations). /app keeps examples/worker.py.
 WORKDIR /app
 COPY . .
+# openssl: the compose stack's `certs` one-shot makes its CA and certificate with it.
+RUN apt-get update && apt-get install -y --no-install-recommends openssl \
+    && rm -rf /var/lib/apt/lists/*
 RUN pip install '.[service]' \
     && useradd --system --no-create-home --uid 10001 genq
 

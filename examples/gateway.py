@@ -5,6 +5,10 @@
 It prints each event as it arrives and ends at the terminal one (completed or failed), so run a
 worker for "image-gen" alongside it, or it waits. The reservation (100 tokens here) is settled
 by the reconciler (`genq reconcile`) once the task is terminal.
+
+Against a secured service, the client reads GENQ_TOKEN (a gateway token: genq token create
+--role gateway --tool image-gen), GENQ_TLS_CA_FILE and, for mutual TLS,
+GENQ_TLS_CLIENT_CERT_FILE and GENQ_TLS_CLIENT_KEY_FILE (workers_sdk.client.Credentials).
 """
 
 from __future__ import annotations

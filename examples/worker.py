@@ -17,6 +17,10 @@ Environment (each with its default):
     GENQ_DRAIN_TIMEOUT (30)              seconds in-flight renders get on SIGTERM
     GENQ_REPORT_DELAY (0.005)            most seconds a heartbeat or report waits to share
                                          its batch RPC with others (see workers_sdk.fleet)
+    GENQ_TOKEN / GENQ_TOKEN_FILE         a worker token for the tool (genq token create
+                                         --role worker --tool image-gen); none: anonymous
+    GENQ_TLS_CA_FILE                     TLS: the CA the service's certificate is signed by
+    GENQ_TLS_CLIENT_CERT_FILE, GENQ_TLS_CLIENT_KEY_FILE   mutual TLS: this worker's certificate
 """
 
 from __future__ import annotations

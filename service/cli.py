@@ -22,9 +22,9 @@ from typing import Any
 
 from generation.task.v1 import task_pb2 as pb
 from service import cli_format as show
-from service.cli_format import count, json_object, moment, task_id, to_nanos
+from service.cli_format import count, json_object, moment, span, task_id, to_nanos
 from service.settings import Settings
-from workers_sdk.client import GenqClient
+from workers_sdk.client import Credentials, GenqClient
 from workers_sdk.errors import GenqError, Reason
 
 DONE, ERROR, USAGE, DISABLED, CAPPED = 0, 1, 2, 3, 4
@@ -301,6 +301,16 @@ async def cmd_settings(args: argparse.Namespace) -> int:
     return DONE
 
 
+async def cmd_audit(args: argparse.Namespace) -> int:
+    answer = await _call(
+        args,
+        "ListAuditEntries",
+        pb.ListAuditEntriesRequest(limit=args.limit, before_id=args.before_id),
+    )
+    _print(args, answer, show.audit(answer.entries))
+    return DONE
+
+
 # ---- the commands that run the data plane itself ----
 
 
@@ -345,6 +355,34 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     return DONE
 
 
+def cmd_token(args: argparse.Namespace) -> int:
+    """create, list or revoke, straight on the database (the service host's DATABASE_URL)."""
+    from service import tokens
+
+    if args.action != "revoke" and args.token:
+        raise UsageError(f"token {args.action} takes no ID|TOKEN")
+    if args.action != "create" and (args.role or args.tool or args.expires or args.note):
+        raise UsageError("--role, --tool, --expires and --note are for token create")
+    url = _database_url(Settings.from_env())
+    if args.action == "create":
+        if not args.role:
+            raise UsageError("token create needs at least one --role")
+        token = tokens.create(url, args.role, args.tool, args.expires, args.note or "")
+        scope = ", ".join(sorted(set(args.tool))) or "every tool"
+        print(f"roles {', '.join(sorted(set(args.role)))} on {scope}; shown once, keep it secret:")
+        print(token)
+    elif args.action == "list":
+        print(show.tokens(tokens.list_all(url)))
+    else:
+        if not args.token:
+            raise UsageError("token revoke needs the token's ID, or the token")
+        revoked = tokens.revoke(url, args.token)
+        if revoked is None:
+            raise CommandError(f"no token {args.token!r}")
+        print(f"revoked token {revoked.id}; every replica refuses it within 30 s")
+    return DONE
+
+
 def _env_number(name: str, default: float) -> float:
     raw = os.environ.get(name, "")
     try:
@@ -357,14 +395,16 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
     interval = _env_number("GENQ_RECONCILE_INTERVAL_SECONDS", 60)
     if interval <= 0:
         raise SystemExit("GENQ_RECONCILE_INTERVAL_SECONDS must be above 0")
-    return asyncio.run(_reconcile(_target(args), once=args.once, interval=interval))
+    return asyncio.run(
+        _reconcile(_target(args), _credentials(args), once=args.once, interval=interval)
+    )
 
 
-async def _reconcile(target: str, *, once: bool, interval: float) -> int:
+async def _reconcile(target: str, credentials: Credentials, *, once: bool, interval: float) -> int:
     from workers_sdk.reconciler import Reconciler, describe
 
     log = logging.getLogger("genq.reconcile")
-    async with GenqClient(target) as client:
+    async with GenqClient(target, credentials=credentials) as client:
         reconciler = Reconciler(client, reconcile_interval_seconds=interval)
         if once:
             try:
@@ -406,6 +446,20 @@ def flag(spec: str, help: str) -> Argument:
 
 
 TOOL_ID = "a tool id or name"
+
+CONNECTION = [
+    arg("--token TOKEN", "the caller's token (default: GENQ_TOKEN; prefer it: argv is visible)"),
+    arg("--tls-ca-file PEM", "TLS: the CA of the service's certificate (GENQ_TLS_CA_FILE)"),
+    arg("--tls-client-cert-file PEM", "mutual TLS: this client's (GENQ_TLS_CLIENT_CERT_FILE)"),
+    arg("--tls-client-key-file PEM", "its key (GENQ_TLS_CLIENT_KEY_FILE)"),
+]
+"""How every client command reaches a secured service."""
+
+
+def tokens_roles() -> tuple[str, ...]:
+    from service.tokens import ROLES
+
+    return ROLES
 
 
 @dataclass(frozen=True)
@@ -460,8 +514,57 @@ COMMANDS = [
         [
             flag("--once", "sweep once, log the summary and exit"),
             arg("--target HOST:PORT", "default: GENQ_ADDR or localhost:50051"),
+            *CONNECTION,
         ],
         client=False,
+    ),
+    Command(
+        "token",
+        cmd_token,
+        "create, list or revoke API tokens (on the service host, with DATABASE_URL)",
+        "token create --role ROLE [--role ROLE]... [--tool NAME]... [--expires DURATION] "
+        "[--note TEXT] prints a new token as the last word of its last line (only its hash is "
+        "stored: it is shown once). Roles: gateway, worker, reconciler, operator, viewer; "
+        "--tool limits the token to those tools (none: every tool). token list shows every "
+        "token but its secret; token revoke ID|TOKEN ends one: every replica refuses it within "
+        "30 s. Runs against DATABASE_URL (or the embedded database), like migrate, and records "
+        "each change in the audit log.",
+        [
+            arg("action", "create, list or revoke", choices=("create", "list", "revoke")),
+            arg("token ID|TOKEN", "for revoke: the token's id, or the token", nargs="?"),
+            arg(
+                "--role ROLE",
+                "a role of the token (repeat for more)",
+                action="append",
+                choices=tokens_roles(),
+                default=[],
+            ),
+            arg(
+                "--tool NAME",
+                "a tool the token reaches (repeat; none: every tool)",
+                action="append",
+                default=[],
+            ),
+            arg(
+                "--expires DURATION",
+                "lifetime: 90s, 15m, 12h, 30d (none: until revoked)",
+                type=span,
+            ),
+            arg("--note TEXT", "who or what it is for; the audit log names it"),
+        ],
+        client=False,
+    ),
+    Command(
+        "audit",
+        cmd_audit,
+        "who changed what, when (the audit log), newest first",
+        "Every change of settings, tools, caps, pauses, purges, cancels and tokens, newest first "
+        "(ListAuditEntries): when, who (token:<id> (<note>), cert:<name>, anonymous or "
+        "cli:<user>@<host>), the RPC or command, and its request. Page with --before-id.",
+        [
+            arg("--limit N", "at most 10000 (50)", type=count, default=50),
+            arg("--before-id ID", "entries older than this one", type=count, default=0),
+        ],
     ),
     Command(
         "status",
@@ -673,6 +776,8 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--format", choices=("text", "json"), default="text", help="json: the proto message"
     )
+    for flags, options in CONNECTION:
+        common.add_argument(*flags, **options)
     commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         sub = commands.add_parser(
@@ -693,8 +798,17 @@ def _target(args: argparse.Namespace) -> str:
     return str(args.target or os.environ.get("GENQ_ADDR") or "localhost:50051")
 
 
+def _credentials(args: argparse.Namespace) -> Credentials:
+    return Credentials.from_env(
+        token=args.token,
+        ca_file=args.tls_ca_file,
+        client_cert_file=args.tls_client_cert_file,
+        client_key_file=args.tls_client_key_file,
+    )
+
+
 async def _run_client(args: argparse.Namespace) -> int:
-    async with GenqClient(_target(args)) as client:
+    async with GenqClient(_target(args), credentials=_credentials(args)) as client:
         args.client = client
         return int(await args.run(args))
 

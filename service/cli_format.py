@@ -77,6 +77,23 @@ def count(value: str) -> int:
     return number
 
 
+SPAN_UNITS = {"s": 1, "m": 60, "h": 3_600, "d": 86_400}
+
+
+def span(value: str) -> int:
+    """A duration in seconds from 90, 90s, 15m, 12h or 30d."""
+    number, unit = (value[:-1], value[-1]) if value[-1:] in SPAN_UNITS else (value, "s")
+    try:
+        seconds = int(number) * SPAN_UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a duration (90s, 15m, 12h, 30d): {value!r}"
+        ) from None
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"must be above 0: {value!r}")
+    return seconds
+
+
 def as_json(message: Message) -> str:
     """The message as JSON with the proto field names; fields at their default are printed too,
     so `enabled: false` or a count of 0 is there to read (grpcurl leaves them out)."""
@@ -322,4 +339,47 @@ def stats(values: Sequence[task_pb2.DayStats]) -> str:
             ),
             f"total cost: {money(total)}",
         ]
+    )
+
+
+def audit(values: Sequence[task_pb2.AuditEntry]) -> str:
+    if not values:
+        return "no audit entries"
+    return table(
+        ("ID", "AT", "ACTOR", "ACTION", "DETAIL"),
+        (
+            (
+                value.id,
+                when(value.at),
+                value.actor,
+                value.action,
+                json.dumps(json_format.MessageToDict(value.detail), sort_keys=True),
+            )
+            for value in values
+        ),
+    )
+
+
+def tokens(values: Sequence[Any]) -> str:
+    """`genq token list`: service.tokens.Token rows, secrets never (only their hash is kept)."""
+    if not values:
+        return "no tokens"
+
+    def moment_of(value: datetime | None) -> str:
+        return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ") if value else "-"
+
+    return table(
+        ("ID", "ROLES", "TOOLS", "CREATED", "EXPIRES", "REVOKED", "NOTE"),
+        (
+            (
+                value.id,
+                ",".join(value.roles),
+                ",".join(value.tools) or "(all)",
+                moment_of(value.created_at),
+                moment_of(value.expires_at),
+                moment_of(value.revoked_at),
+                value.note,
+            )
+            for value in values
+        ),
     )

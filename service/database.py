@@ -45,7 +45,8 @@ def connection_kwargs(url: str, settings: Settings) -> dict[str, Any]:
 
 
 class Database:
-    """An async psycopg pool of autocommit connections; each RPC is one statement.
+    """An async psycopg pool of autocommit connections; each RPC is one statement (an audited
+    one with its audit row, in one transaction).
 
     Statements are prepared on first use on each connection (prepare_threshold=0).
     """
@@ -95,9 +96,16 @@ class Database:
         await self.pool.close()
 
     async def fetch(
-        self, sql: str, params: dict[str, Any], timeout: float | None = None
+        self,
+        sql: str,
+        params: dict[str, Any],
+        timeout: float | None = None,
+        then: tuple[str, dict[str, Any]] | None = None,
     ) -> list[Row]:
         """Runs one statement; a database failure comes out as a ServiceError when it means one.
+
+        `then`, a second statement and its parameters (an audit row), runs after it in the same
+        transaction: both commit or neither does. The rows are the first statement's.
 
         The whole call, the wait for a pool connection and the statement, takes at most `timeout`
         seconds (the caller's remaining deadline) and never more than `default_timeout`; the wait
@@ -110,7 +118,7 @@ class Database:
             raise DatabaseUnavailable("deadline exceeded before the database was asked")
         # A task of its own: cancelling psycopg mid-statement waits for the server (it sends
         # a cancel request and reads the answer), which a frozen server never gives.
-        work = asyncio.ensure_future(self._fetch(sql, params, min(bound, self.pool_timeout)))
+        work = asyncio.ensure_future(self._fetch(sql, params, min(bound, self.pool_timeout), then))
         try:
             done, _ = await asyncio.wait((work,), timeout=bound)
         except BaseException:  # the caller was cancelled (its RPC ended): it does not wait
@@ -123,29 +131,47 @@ class Database:
             )
         return work.result()
 
-    async def _fetch(self, sql: str, params: dict[str, Any], wait: float) -> list[Row]:
+    async def _fetch(
+        self,
+        sql: str,
+        params: dict[str, Any],
+        wait: float,
+        then: tuple[str, dict[str, Any]] | None,
+    ) -> list[Row]:
         try:
             # A migration changed a table under statements prepared on the pooled connections (a
             # rolling deploy: docs/OPERATIONS.md, "Upgrading"). Nothing ran, and _run dropped
             # the connection with its prepared statements: run it again, on the next one.
             for _ in range(self.pool.max_size):
                 try:
-                    return await self._run(sql, params, wait)
+                    return await self._run(sql, params, wait, then)
                 except psycopg.errors.FeatureNotSupported as error:
                     if "cached plan must not change result type" not in str(error):
                         raise
-            return await self._run(sql, params, wait)
+            return await self._run(sql, params, wait, then)
         except (psycopg.Error, psycopg_pool.PoolTimeout) as error:
             translated = from_database(error)
             if translated is None:
                 raise
             raise translated from error
 
-    async def _run(self, sql: str, params: dict[str, Any], wait: float) -> list[Row]:
+    async def _run(
+        self,
+        sql: str,
+        params: dict[str, Any],
+        wait: float,
+        then: tuple[str, dict[str, Any]] | None,
+    ) -> list[Row]:
         async with self.pool.connection(timeout=wait) as connection:
             try:
-                cursor = await connection.execute(sql, params)
-                return await cursor.fetchall() if cursor.description else []
+                if then is None:
+                    cursor = await connection.execute(sql, params)
+                    return await cursor.fetchall() if cursor.description else []
+                async with connection.transaction():
+                    cursor = await connection.execute(sql, params)
+                    rows = await cursor.fetchall() if cursor.description else []
+                    await connection.execute(*then)
+                return rows
             except psycopg.errors.FeatureNotSupported:
                 await connection.close()
                 raise

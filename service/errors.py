@@ -72,6 +72,21 @@ class IdempotencyKeyReused(ServiceError):
     reason = Reason.IDEMPOTENCY_KEY_REUSED
 
 
+class Unauthenticated(ServiceError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+    reason = Reason.UNAUTHENTICATED
+
+
+class RoleNotAllowed(ServiceError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+    reason = Reason.ROLE_NOT_ALLOWED
+
+
+class ToolNotAllowed(ServiceError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+    reason = Reason.TOOL_NOT_ALLOWED
+
+
 class Internal(ServiceError):
     """A bug; the caller sees no detail of it, the service log has the traceback."""
 

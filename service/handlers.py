@@ -1,5 +1,7 @@
-"""The handlers: every RPC is parse -> validate -> its statement -> map the rows, and every failure
-leaves through one boundary as a gRPC status with an ErrorInfo.
+"""The handlers: every RPC is identify and admit the caller -> parse -> scope -> validate -> its
+statement (with its audit row when audited) -> map the rows (redacted for a viewer), and every
+failure leaves through one boundary as a gRPC status with an ErrorInfo. What a caller may do is
+decided in service/auth.py.
 
 Two RPCs add a loop around their statement: a claim with `wait` re-runs it when woken, and
 WatchTaskEvents re-runs its page query until the terminal event.
@@ -25,6 +27,7 @@ from opentelemetry import propagate, trace
 
 from generation.task.v1 import task_pb2
 from service import messages
+from service.auth import Guard
 from service.database import Database
 from service.errors import (
     DeadlineExceeded,
@@ -68,6 +71,7 @@ class Handlers:
         self.signals = signals
         self.settings = settings
         self.metrics = metrics or Metrics()
+        self.guard = Guard(database, settings)
         self._hand_backs: set[asyncio.Task[None]] = set()
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
@@ -99,21 +103,31 @@ class Handlers:
                 return await run(payload, context)
 
         async def run(payload: bytes, context: Context) -> bytes:
+            self.metrics.rpc_started(method.name)
             started = time.perf_counter()
             code = grpc.StatusCode.CANCELLED  # unless it ends otherwise: the caller went away
             try:
+                caller = await self.guard.caller(context, _remaining(context))
+                self.guard.admit(caller, method.name)
                 request = parse(payload)
+                await self.guard.scope(caller, method.name, request, _remaining(context))
                 params = binding.bind(request, self.settings)
                 if binding.park is not None:
                     tool, seconds = binding.park(request, params, self.settings)
                     rows = await self._claim_waiting(sql, params, tool, seconds, context)
                 else:
-                    rows = await self.database.fetch(sql, params, timeout=_remaining(context))
+                    rows = await self.database.fetch(
+                        sql,
+                        params,
+                        timeout=_remaining(context),
+                        then=self.guard.audit(caller, method.name, request),
+                    )
                 if binding.after is not None:
                     binding.after(self.signals, rows)
-                response = binding.respond(rows).SerializeToString()
+                response = binding.respond(rows)
+                self.guard.redact(caller, method.name, response)
                 code = grpc.StatusCode.OK
-                return response
+                return response.SerializeToString()
             except Exception as error:  # the one error boundary
                 code = _code_of(error)
                 await _abort(context, method, error)
@@ -189,9 +203,14 @@ class Handlers:
         parse = _parser(method)
 
         async def handle(payload: bytes, context: Context) -> AsyncIterator[bytes]:
+            self.metrics.rpc_started(method.name)
             code = grpc.StatusCode.CANCELLED
             try:
-                params = WATCH(parse(payload), self.settings)  # type: ignore[arg-type]
+                caller = await self.guard.caller(context, _remaining(context))
+                self.guard.admit(caller, method.name)
+                request = parse(payload)
+                await self.guard.scope(caller, method.name, request, _remaining(context))
+                params = WATCH(request, self.settings)  # type: ignore[arg-type]
                 async for event in self._follow(sql, params):
                     yield task_pb2.WatchTaskEventsResponse(event=event).SerializeToString()
                 code = grpc.StatusCode.OK
@@ -227,8 +246,8 @@ class Handlers:
 def _server_span(method: MethodDescriptor, context: Context) -> Any:
     """A server span for the call, child of the caller's `traceparent` header when it sent one.
 
-    Spans go to the global OpenTelemetry tracer provider: a no-op unless one is configured
-    (e.g. by running under `opentelemetry-instrument`).
+    Spans go to the global OpenTelemetry tracer provider, which the standard `OTEL_*` variables
+    configure (service/tracing.py): a no-op when they name no exporter.
     """
     parent = propagate.extract(dict(context.invocation_metadata() or ()))
     return _tracer.start_as_current_span(

@@ -8,6 +8,14 @@
 HEAD works wherever GET does; any other method is 405 (changes go through gRPC and the CLI), any
 other path 404. A tiny HTTP/1.1 server on asyncio: one request per connection, no framework.
 
+Guarded like the gRPC port (service/auth.py): with GENQ_TLS_CERT_FILE it speaks TLS only (and
+asks for a client certificate under GENQ_TLS_CLIENT_CA_FILE). Under GENQ_AUTH=required every
+path but /healthz needs a token of a role that may call GetStatus: `Authorization: Bearer` for
+scrapers; a person gets a login form instead, whose POST /login sets the token as an HttpOnly,
+SameSite=Strict cookie (Secure under TLS), so it never appears in a URL, a history or a log;
+POST /logout clears it. The Host header must be one of the names the port answers as
+(GENQ_HTTP_HOSTS): a page on another site cannot read this one through a rebound DNS name.
+
 The page and the JSON run the GetStatus statement through its binding, exactly as the RPC does,
 so there is one copy of that SQL. The page is drawn on the server (the chart is inline SVG), has
 no script and loads nothing else; it reloads itself every REFRESH_SECONDS.
@@ -21,20 +29,22 @@ import email.utils
 import html
 import json
 import logging
+import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from http import HTTPStatus
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from google.protobuf import json_format
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from generation.task.v1 import task_pb2
+from service.auth import RULES, Caller, Guard, bearer
 from service.database import Database
-from service.errors import ServiceError
+from service.errors import ServiceError, Unauthenticated
 from service.metrics import Metrics
 from service.rpcs import BINDINGS, STATEMENTS
 from service.settings import Settings
@@ -53,6 +63,12 @@ HTML = "text/html; charset=utf-8"
 JSON = "application/json"
 # The page needs nothing but its own inline style and inline SVG.
 PAGE_POLICY = "default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'; form-action 'none'"
+LOGIN_POLICY = "default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'; form-action 'self'"
+COOKIE = "genq_token"
+MAX_LOGIN_BYTES = 4096
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+AUDIT_SHOWN = 10
+AUDIT_SQL = STATEMENTS["ListAuditEntries"]
 
 
 async def read_status(database: Database, settings: Settings) -> task_pb2.GetStatusResponse:
@@ -63,6 +79,59 @@ async def read_status(database: Database, settings: Settings) -> task_pb2.GetSta
     response = binding.respond(rows)
     assert isinstance(response, task_pb2.GetStatusResponse)
     return response
+
+
+async def read_audit(
+    database: Database, settings: Settings, limit: int
+) -> list[task_pb2.AuditEntry]:
+    """The newest audit entries, through ListAuditEntries's statement and binding."""
+    binding = BINDINGS["ListAuditEntries"]
+    request = task_pb2.ListAuditEntriesRequest(limit=limit)
+    rows = await database.fetch(AUDIT_SQL, binding.bind(request, settings))
+    response = binding.respond(rows)
+    assert isinstance(response, task_pb2.ListAuditEntriesResponse)
+    return list(response.entries)
+
+
+def tls_context(settings: Settings) -> ssl.SSLContext | None:
+    """The HTTP port's TLS, from the same files as the gRPC port's; None without TLS."""
+    if not settings.tls:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(str(settings.tls_cert_file), str(settings.tls_key_file))
+    if settings.tls_client_ca_file:
+        context.load_verify_locations(settings.tls_client_ca_file)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+def page_url(settings: Settings, port: int) -> str:
+    scheme = "https" if settings.tls else "http"
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    return f"{scheme}://{host}:{port}/"
+
+
+def allowed_hosts(settings: Settings) -> frozenset[str]:
+    """The names the HTTP port answers as: loopback, GENQ_HOST, and GENQ_HTTP_HOSTS."""
+    names = {*LOOPBACK_NAMES, settings.host.strip("[]")}
+    names.update(name.strip().lower() for name in settings.http_hosts.split(",") if name.strip())
+    return frozenset(names)
+
+
+def host_name(header: str) -> str:
+    """The name in a Host header, port aside ([::1]:8080 -> ::1)."""
+    if header.startswith("["):
+        return header[1:].partition("]")[0].lower()
+    return header.rpartition(":")[0].lower() if header.count(":") == 1 else header.lower()
+
+
+@dataclass(frozen=True)
+class Request:
+    method: str
+    target: str
+    headers: dict[str, str]
+    """Lower-case names."""
+    body: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -84,6 +153,8 @@ class StatusServer:
         self.database = database
         self.settings = settings
         self.metrics = metrics
+        self.guard = Guard(database, settings)
+        self.hosts = allowed_hosts(settings)
         self._server: asyncio.Server | None = None
         self._routes = {
             "/": self._page,
@@ -94,9 +165,15 @@ class StatusServer:
 
     async def start(self) -> int:
         host, port = self.settings.host, self.settings.http_port
+        context = tls_context(self.settings)
         try:
             self._server = await asyncio.start_server(
-                self._connection, host, port, limit=MAX_HEAD_BYTES
+                self._connection,
+                host,
+                port,
+                limit=MAX_HEAD_BYTES,
+                ssl=context,
+                ssl_handshake_timeout=READ_TIMEOUT_SECONDS if context else None,
             )
         except OSError as error:
             raise OSError(
@@ -111,27 +188,93 @@ class StatusServer:
             self._server.close()
             await self._server.wait_closed()
 
-    async def respond(self, method: str, target: str) -> Response:
-        if method not in READ_METHODS:
+    async def respond(self, request: Request) -> Response:
+        path = urlsplit(request.target).path
+        if path != "/healthz" and host_name(request.headers.get("host", "")) not in self.hosts:
             return _text(
-                HTTPStatus.METHOD_NOT_ALLOWED,
-                "read-only: change settings through gRPC or the genq CLI",
-                ("Allow", ", ".join(READ_METHODS)),
+                HTTPStatus.MISDIRECTED_REQUEST,
+                "this port does not answer as that host name (GENQ_HTTP_HOSTS lists the names)",
             )
-        route = self._routes.get(urlsplit(target).path)
-        if route is None:
-            return _text(HTTPStatus.NOT_FOUND, "not found: try / /status.json /metrics /healthz")
         try:
+            if request.method == "POST" and path in ("/login", "/logout"):
+                return await self._log_in(request) if path == "/login" else self._log_out()
+            if request.method not in READ_METHODS:
+                return _text(
+                    HTTPStatus.METHOD_NOT_ALLOWED,
+                    "read-only: change settings through gRPC or the genq CLI",
+                    ("Allow", ", ".join(READ_METHODS)),
+                )
+            route = self._routes.get(path)
+            if route is None:
+                return _text(
+                    HTTPStatus.NOT_FOUND, "not found: try / /status.json /metrics /healthz"
+                )
+            if route != self._healthz and self.settings.auth_required:
+                refusal = await self._refusal(request, page=path == "/")
+                if refusal is not None:
+                    return refusal
             return await route()
         except ServiceError as error:
             return _text(HTTPStatus.SERVICE_UNAVAILABLE, str(error))
         except Exception:
-            log.exception("GET %s failed", target)
+            log.exception("%s %s failed", request.method, path)
             return _text(HTTPStatus.INTERNAL_SERVER_ERROR, "internal error; see the service log")
+
+    async def _caller(self, request: Request) -> Caller:
+        """The caller behind an Authorization header, else behind the login cookie."""
+        if "authorization" in request.headers:
+            return await self.guard.identify(bearer(request.headers["authorization"]))
+        token = _cookies(request.headers.get("cookie", "")).get(COOKIE)
+        if token is None:
+            raise Unauthenticated("a token is required: send `Authorization: Bearer <token>`")
+        return await self.guard.identify(token)
+
+    async def _refusal(self, request: Request, *, page: bool) -> Response | None:
+        """None when the caller may read the page (as GetStatus), else the refusal: the login
+        form for the page, a 401 or 403 for the JSON and the metrics."""
+        try:
+            caller = await self._caller(request)
+        except Unauthenticated as error:
+            if page:
+                return _login_form(HTTPStatus.UNAUTHORIZED, "")
+            return _text(
+                HTTPStatus.UNAUTHORIZED, str(error), ("WWW-Authenticate", 'Bearer realm="genq"')
+            )
+        if not caller.roles & RULES["GetStatus"].roles:
+            message = "this token's roles may not read the status (viewer or operator may)"
+            if page:
+                return _login_form(HTTPStatus.FORBIDDEN, message)
+            return _text(HTTPStatus.FORBIDDEN, message)
+        return None
+
+    async def _log_in(self, request: Request) -> Response:
+        origin = request.headers.get("origin")
+        if origin and host_name(urlsplit(origin).netloc) not in self.hosts:
+            return _text(HTTPStatus.FORBIDDEN, "a login must come from this page's own form")
+        token = parse_qs(request.body.decode("latin-1")).get("token", [""])[0].strip()
+        try:
+            caller = await self.guard.identify(token)
+        except Unauthenticated:
+            return _login_form(HTTPStatus.UNAUTHORIZED, "That token is not valid.")
+        if not caller.roles & RULES["GetStatus"].roles:
+            return _login_form(HTTPStatus.FORBIDDEN, "That token may not read the status.")
+        secure = "; Secure" if self.settings.tls else ""
+        cookie = f"{COOKIE}={token}; Path=/; HttpOnly; SameSite=Strict{secure}"
+        return Response(
+            HTTPStatus.SEE_OTHER, b"", TEXT, (("Location", "/"), ("Set-Cookie", cookie))
+        )
+
+    def _log_out(self) -> Response:
+        secure = "; Secure" if self.settings.tls else ""
+        cookie = f"{COOKIE}=; Path=/; Max-Age=0; HttpOnly; SameSite=Strict{secure}"
+        return Response(
+            HTTPStatus.SEE_OTHER, b"", TEXT, (("Location", "/"), ("Set-Cookie", cookie))
+        )
 
     async def _page(self) -> Response:
         response = await read_status(self.database, self.settings)
-        page = render_page(response.status, datetime.now(UTC))
+        audit = await read_audit(self.database, self.settings, AUDIT_SHOWN)
+        page = render_page(response.status, datetime.now(UTC), audit)
         return Response(
             HTTPStatus.OK, page.encode(), HTML, (("Content-Security-Policy", PAGE_POLICY),)
         )
@@ -161,20 +304,19 @@ class StatusServer:
             if isinstance(request, Response):
                 method, response = "GET", request
             else:
-                method, target = request
-                response = await self.respond(method, target)
+                method, response = request.method, await self.respond(request)
             writer.write(_serialize(response, with_body=method != "HEAD"))
             await writer.drain()
-        except (TimeoutError, ConnectionError, asyncio.IncompleteReadError):
-            pass  # the client went away or never finished its request
+        except (TimeoutError, ConnectionError, asyncio.IncompleteReadError, ssl.SSLError):
+            pass  # the client went away, never finished its request, or spoke no TLS
         finally:
             writer.close()
             with contextlib.suppress(ConnectionError):
                 await writer.wait_closed()
 
 
-async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str] | Response | None:
-    """(method, target) of a request; a Response when it is malformed; None when no request."""
+async def _read_request(reader: asyncio.StreamReader) -> Request | Response | None:
+    """The request; a Response when it is malformed; None when no request came."""
     try:
         head = await reader.readuntil(b"\r\n\r\n")
     except asyncio.LimitOverrunError:
@@ -193,11 +335,40 @@ async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str] | Respo
         name, _, value = line.partition(":")
         headers[name.strip().lower()] = value.strip()
     # A refused POST may carry a body: read it, so that closing does not reset the connection
-    # before the client has read the 405.
+    # before the client has read the 405. A login's body is the form.
     length = headers.get("content-length", "0")
+    body = b""
     if length.isdigit() and 0 < int(length) <= MAX_DISCARDED_BODY_BYTES:
-        await reader.readexactly(int(length))
-    return method, target
+        body = await reader.readexactly(int(length))
+    return Request(method, target, headers, body[:MAX_LOGIN_BYTES])
+
+
+def _cookies(header: str) -> dict[str, str]:
+    pairs = (part.strip().partition("=") for part in header.split(";"))
+    return {name: value for name, _, value in pairs if name}
+
+
+def _login_form(status: HTTPStatus, message: str) -> Response:
+    """The page a browser gets without a token: the token goes in a POST body, never a URL."""
+    notice = f'<p class="bad">{esc(message)}</p>' if message else ""
+    page = f"""<!DOCTYPE html>
+<html lang="en">
+<head><meta charset="utf-8"><title>genq status: log in</title><style>{STYLE}</style></head>
+<body>
+<header id="header"><h1>genq status</h1></header>
+<section class="panel" id="login">
+  <h2>A token is needed</h2>
+  {notice}
+  <form method="post" action="/login">
+    <label>Token (genq token create --role viewer)
+      <input type="password" name="token" autocomplete="current-password" required></label>
+    <button type="submit">Log in</button>
+  </form>
+</section>
+</body>
+</html>
+"""
+    return Response(status, page.encode(), HTML, (("Content-Security-Policy", LOGIN_POLICY),))
 
 
 def _serialize(response: Response, with_body: bool) -> bytes:
@@ -285,7 +456,9 @@ svg line.grid { stroke: #e3e7eb; } svg line.axis { stroke: #9aa3ad; }
 """
 
 
-def render_page(status: task_pb2.Status, now: datetime) -> str:
+def render_page(
+    status: task_pb2.Status, now: datetime, audit: Sequence[task_pb2.AuditEntry] = ()
+) -> str:
     zone = _zone(status.settings.timezone)
     warnings = _warnings(status)
     return f"""<!DOCTYPE html>
@@ -316,6 +489,7 @@ def render_page(status: task_pb2.Status, now: datetime) -> str:
 {_cooling(status.cooling, now)}
 {_holds(status.holds, now)}
 </div>
+{_audit(audit, zone)}
 </body>
 </html>
 """
@@ -477,6 +651,18 @@ def _holds(holds: Sequence[task_pb2.Hold], now: datetime) -> str:
         for h in holds
     ]
     return _list_panel("holds", "Held groups", items, "no account group is held")
+
+
+def _audit(entries: Sequence[task_pb2.AuditEntry], zone: ZoneInfo) -> str:
+    """The newest changes: who, when, what (`genq audit` lists them all)."""
+    items = [
+        f"<li><b>{esc(entry.action)}</b> by {esc(entry.actor)} at "
+        f"{entry.at.ToDatetime(UTC).astimezone(zone):%Y-%m-%d %H:%M:%S} "
+        f"<code>{esc(json.dumps(json_format.MessageToDict(entry.detail), sort_keys=True))}</code>"
+        "</li>"
+        for entry in entries
+    ]
+    return _list_panel("audit", "Recent changes", items, "no change recorded yet")
 
 
 def _list_panel(section: str, title: str, items: list[str], empty: str) -> str:

@@ -1,7 +1,12 @@
 """Prometheus metrics of one service host, in a registry of its own, served at /metrics.
 
-- RPCs: `genq_rpc_requests_total{method,code}` and `genq_rpc_latency_seconds{method}`, recorded by
-  the handlers (service/handlers.py) as each call ends, and
+- RPCs, under the names and labels of go-grpc-prometheus (and its Python ports), which stock
+  gRPC dashboards read: `grpc_server_started_total{grpc_type,grpc_service,grpc_method}`,
+  `grpc_server_handled_total{...,grpc_code}` and the histogram `grpc_server_handling_seconds`
+  (unary calls; a stream lasts as long as its task). `grpc_service` is the full name
+  (`generation.task.v1.GenerationDataService`), `grpc_type` `unary` or `server_stream`,
+  `grpc_code` Go's spelling (`OK`, `InvalidArgument`, `Canceled`, ...). The handlers
+  (service/handlers.py) record each call (`rpc_started`, `observe_rpc`); plus
   `genq_process_rpc_requests_total{process}`, the same calls by service process. With one
   process they count its calls. With several (GENQ_PROCESSES), every child records into
   prometheus_client's multiprocess files (PROMETHEUS_MULTIPROC_DIR, a directory the parent
@@ -10,6 +15,11 @@
 - The queue: gauges read from the database at scrape time, from the GetStatus statement (the
   same one the status page and the RPC run) and QUEUE_HEALTH_SQL beside it. They describe the
   whole database, so every replica reports the same values: aggregate them with max(), not sum().
+- Money is integer nanos (`*_nanos`, labelled with the settings' `currency`), never a fraction.
+- No `_created` series (prometheus_client's per-series creation timestamps): dashboards do not
+  read them and they double the counters' series.
+- A scrape's cost does not grow with the history: no statement of it reads more of the attempts
+  ledger (never purged) than the last hour, through its `ended_at` index.
 """
 
 from __future__ import annotations
@@ -20,15 +30,53 @@ from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from generation.task.v1 import task_pb2
 from service.database import Database
 from service.errors import ServiceError
+from service.rpcs import SERVICE
 
 log = logging.getLogger(__name__)
+
+# Process-wide in prometheus_client (a module flag read at each collection): this process's
+# counters and histograms, and those the parent sums from the children's files, come without
+# `_created`. PROMETHEUS_DISABLE_CREATED_SERIES=True does the same from the environment.
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
+GRPC_SERVICE = SERVICE.full_name
+GRPC_TYPES = {
+    method.name: "server_stream" if method.server_streaming else "unary"
+    for method in SERVICE.methods
+}
+# grpc.StatusCode names as Go spells codes.Code (go-grpc-prometheus's grpc_code values).
+GRPC_CODES = {
+    "OK": "OK",
+    "CANCELLED": "Canceled",
+    "UNKNOWN": "Unknown",
+    "INVALID_ARGUMENT": "InvalidArgument",
+    "DEADLINE_EXCEEDED": "DeadlineExceeded",
+    "NOT_FOUND": "NotFound",
+    "ALREADY_EXISTS": "AlreadyExists",
+    "PERMISSION_DENIED": "PermissionDenied",
+    "RESOURCE_EXHAUSTED": "ResourceExhausted",
+    "FAILED_PRECONDITION": "FailedPrecondition",
+    "ABORTED": "Aborted",
+    "OUT_OF_RANGE": "OutOfRange",
+    "UNIMPLEMENTED": "Unimplemented",
+    "INTERNAL": "Internal",
+    "UNAVAILABLE": "Unavailable",
+    "DATA_LOSS": "DataLoss",
+    "UNAUTHENTICATED": "Unauthenticated",
+}
 
 # A claim with `wait` is held by the service up to GENQ_MAX_CLAIM_WAIT_SECONDS (30): its latency
 # includes the wait, hence the long tail of buckets.
@@ -40,15 +88,18 @@ LIVE_STATUSES = ("queued", "dispatched", "processing")
 
 # What GetStatus does not say. One statement, read at each scrape:
 # - dead tuples per table of the schema (the queue table is the one that bloats);
-# - lease lapses: attempts whose worker lost the lease, `abandoned` (the lease lapsed and the
-#   rescuer or the reaper took the task back) or `lease_lost` (the worker came back too late);
-# - reclaims: claims that took a task back after a lapse, i.e. attempts whose previous attempt
-#   of the same task lapsed.
-# Both counts read the whole attempts ledger (one sequential scan, then primary-key probes for
-# the few lapsed attempts); the ledger keeps every run, so they only grow.
+# - lease lapses of the last hour: attempts ended in it whose worker lost the lease,
+#   `abandoned` (the lease lapsed and the rescuer or the reaper took the task back) or
+#   `lease_lost` (the worker came back too late; the attempt keeps the lapse's ended_at);
+# - reclaims of the last hour: of those, the ones whose task was claimed again (the next
+#   attempt of the same task).
+# The window keeps the cost flat: a range of attempts_ended_idx (the same range GetStatus reads
+# for the last hour's chart), then primary-key probes for the few lapsed attempts; never the
+# whole ledger, which keeps every run and is never purged.
 QUEUE_HEALTH_SQL = """
 WITH lapsed AS MATERIALIZED (
-  SELECT task_id, attempt FROM generation.attempts WHERE outcome IN ('abandoned', 'lease_lost'))
+  SELECT task_id, attempt FROM generation.attempts
+  WHERE ended_at > now() - interval '1 hour' AND outcome IN ('abandoned', 'lease_lost'))
 SELECT
   (SELECT COALESCE(jsonb_object_agg(relname, n_dead_tup), '{}')
    FROM pg_stat_user_tables WHERE schemaname = 'generation') AS dead_tuples,
@@ -70,16 +121,23 @@ class Metrics:
         self.registry = CollectorRegistry()
         own = self.registry if host_dir is None else None
         self.process = str(process)
-        self.rpc_requests = Counter(
-            "genq_rpc_requests",
-            "gRPC calls answered, by method and status code.",
-            ["method", "code"],
+        self.started = Counter(
+            "grpc_server_started",
+            "Total number of RPCs started on the server.",
+            ["grpc_type", "grpc_service", "grpc_method"],
             registry=own,
         )
-        self.rpc_latency = Histogram(
-            "genq_rpc_latency_seconds",
-            "Time to answer a unary gRPC call, by method (a claim's `wait` included).",
-            ["method"],
+        self.handled = Counter(
+            "grpc_server_handled",
+            "Total number of RPCs completed on the server, regardless of success or failure "
+            "(grpc_code Canceled: the caller went away).",
+            ["grpc_type", "grpc_service", "grpc_method", "grpc_code"],
+            registry=own,
+        )
+        self.handling = Histogram(
+            "grpc_server_handling_seconds",
+            "Time the server took to answer a unary RPC (a claim's `wait` included).",
+            ["grpc_type", "grpc_service", "grpc_method"],
             buckets=LATENCY_BUCKETS,
             registry=own,
         )
@@ -91,15 +149,26 @@ class Metrics:
         )
         if host_dir is not None:
             MultiProcessCollector(self.registry, path=str(host_dir))  # type: ignore[no-untyped-call]
+        else:
+            # Every method's series from the start, at 0, so rate() sees a method's first call.
+            for method, kind in GRPC_TYPES.items():
+                self.started.labels(kind, GRPC_SERVICE, method)
+                self.handled.labels(kind, GRPC_SERVICE, method, "OK")
         self.queue = QueueCollector()
         self.registry.register(self.queue)
 
+    def rpc_started(self, method: str) -> None:
+        """Counts a call as it starts (grpc_server_started_total)."""
+        self.started.labels(GRPC_TYPES.get(method, "unary"), GRPC_SERVICE, method).inc()
+
     def observe_rpc(self, method: str, code: str, seconds: float | None) -> None:
-        """Records one call; `seconds` is None for a stream (it lasts as long as its task)."""
-        self.rpc_requests.labels(method=method, code=code).inc()
+        """Records one call as it ends: `code` a grpc.StatusCode name, `seconds` None for a
+        stream (it lasts as long as its task)."""
+        kind = GRPC_TYPES.get(method, "unary")
+        self.handled.labels(kind, GRPC_SERVICE, method, GRPC_CODES.get(code, code)).inc()
         self.process_requests.labels(process=self.process).inc()
         if seconds is not None:
-            self.rpc_latency.labels(method=method).observe(seconds)
+            self.handling.labels(kind, GRPC_SERVICE, method).observe(seconds)
 
     async def scrape(
         self, database: Database, read_status: Callable[[], Awaitable[task_pb2.Status]]
@@ -119,7 +188,7 @@ class Metrics:
 
 
 class QueueCollector:
-    """The queue's gauges and counters as of the last scrape."""
+    """The queue's gauges as of the last scrape."""
 
     def __init__(self) -> None:
         self._metrics: list[Metric] = []
@@ -164,23 +233,30 @@ class QueueCollector:
             if settings.HasField("cap_override_nanos")
             else settings.daily_cap_nanos
         )
+        currency = settings.currency
         self._metrics = [
             _gauge("genq_database_up", "1 when Postgres answered this scrape.", 1),
             depth,
             oldest,
-            _gauge(
+            _money(
                 "genq_spend_today_nanos",
-                "What today's attempts cost (local day of the settings' timezone), in nanos.",
+                "What today's attempts cost (local day of the settings' timezone), in integer "
+                "nanos (10^-9) of `currency`.",
+                currency,
                 settings.spent_today_nanos,
             ),
-            _gauge(
+            _money(
                 "genq_reserved_nanos",
-                "Cost estimates held by running tasks against the daily cap, in nanos.",
+                "Cost estimates held by running tasks against the daily cap, in integer nanos "
+                "(10^-9) of `currency`.",
+                currency,
                 settings.reserved_nanos,
             ),
-            _gauge(
+            _money(
                 "genq_daily_cap_nanos",
-                "The global daily cap in force (GENQ_DAILY_CAP_NANOS or stored); 0: nothing runs.",
+                "The global daily cap in force (GENQ_DAILY_CAP_NANOS or stored), in integer nanos "
+                "(10^-9) of `currency`; 0: nothing runs.",
+                currency,
                 cap,
             ),
             _gauge(
@@ -194,18 +270,27 @@ class QueueCollector:
                 status.stale_tasks,
             ),
             dead,
-            CounterMetricFamily(
-                "genq_lease_lapses",
-                "Attempts whose worker lost its lease (outcome abandoned or lease_lost).",
-                value=health["lease_lapses"],
+            _gauge(
+                "genq_lease_lapses_last_hour",
+                "Attempts ended in the last hour whose worker lost its lease (outcome abandoned "
+                "or lease_lost).",
+                int(health["lease_lapses"]),
             ),
-            CounterMetricFamily(
-                "genq_reclaims",
-                "Claims that took a task back after its previous attempt's lease lapsed.",
-                value=health["reclaims"],
+            _gauge(
+                "genq_reclaims_last_hour",
+                "Lease lapses of the last hour whose task was claimed again.",
+                int(health["reclaims"]),
             ),
         ]
 
 
-def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+def _gauge(name: str, documentation: str, value: int | float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, documentation, value=value)
+
+
+def _money(name: str, documentation: str, currency: str, nanos: int) -> GaugeMetricFamily:
+    """A money gauge: integer nanos, labelled with the currency they count."""
+    assert isinstance(nanos, int), f"{name}: money is integer nanos, not {nanos!r}"
+    gauge = GaugeMetricFamily(name, documentation, labels=["currency"])
+    gauge.add_metric([currency], nanos)
+    return gauge

@@ -14,6 +14,7 @@ exits on its own it stops the others and exits 1. A child whose parent is gone s
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import multiprocessing
 import os
@@ -33,10 +34,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from service import housekeeping
+from service import housekeeping, tracing
+from service.auth import ReflectionGuard
 from service.database import Database
 from service.handlers import Handlers
-from service.http import StatusServer
+from service.http import StatusServer, page_url
 from service.metrics import Metrics
 from service.rpcs import SERVICE
 from service.settings import Settings
@@ -69,14 +71,82 @@ class Role:
     """Purges once at start (the host's first process), leader or not."""
 
 
+def is_loopback(host: str) -> bool:
+    name = host.strip("[]")
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to anything
+
+
+def authenticates(settings: Settings) -> bool:
+    """Callers must prove who they are: a token on every RPC, or a client certificate."""
+    return settings.auth_required or bool(settings.tls_client_ca_file)
+
+
 def check(settings: Settings) -> None:
     """Refuses settings `serve` cannot run with."""
+    if settings.auth not in ("optional", "required"):
+        raise SystemExit(f"GENQ_AUTH={settings.auth!r}: must be optional or required")
+    if bool(settings.tls_cert_file) != bool(settings.tls_key_file):
+        raise SystemExit("GENQ_TLS_CERT_FILE and GENQ_TLS_KEY_FILE go together")
+    if settings.tls_client_ca_file and not settings.tls:
+        raise SystemExit("GENQ_TLS_CLIENT_CA_FILE (mutual TLS) needs GENQ_TLS_CERT_FILE")
+    if not (is_loopback(settings.host) or authenticates(settings) or settings.allow_insecure):
+        raise SystemExit(
+            f"GENQ_HOST={settings.host} is reachable from other hosts, and no caller has to "
+            "authenticate: set GENQ_AUTH=required (tokens: genq token create) or "
+            "GENQ_TLS_CLIENT_CA_FILE, or GENQ_ALLOW_INSECURE=true to let anyone who reaches "
+            "the port do anything"
+        )
     if settings.processes < 1:
         raise SystemExit(f"GENQ_PROCESSES={settings.processes}: must be at least 1")
     if settings.leader_renew_seconds <= 0:
         raise SystemExit("GENQ_LEADER_RENEW_SECONDS must be above 0")
     if settings.leader_ttl_seconds <= settings.leader_renew_seconds:
         raise SystemExit("GENQ_LEADER_TTL_SECONDS must be above GENQ_LEADER_RENEW_SECONDS")
+
+
+def announce(settings: Settings) -> None:
+    """Says at start how the ports are guarded, loudly when they are not."""
+    if not is_loopback(settings.host) and not authenticates(settings):
+        log.warning(
+            "INSECURE: listening on %s without auth (GENQ_ALLOW_INSECURE=true): anyone who "
+            "reaches the ports can change settings, read and cancel every task",
+            settings.host,
+        )
+    elif not authenticates(settings):
+        log.info(
+            "no auth configured (GENQ_AUTH=required, GENQ_TLS_CLIENT_CA_FILE): listening on "
+            "loopback (%s) only",
+            settings.host,
+        )
+    log.info(
+        "TLS %s; client certificates %s; tokens %s; reflection %s",
+        "on" if settings.tls else "off (plaintext)",
+        "required" if settings.tls_client_ca_file else "not asked for",
+        "required" if settings.auth_required else "optional (no token: every role)",
+        "on" if settings.reflection else "off",
+    )
+
+
+def server_credentials(settings: Settings) -> grpc.ServerCredentials:
+    """TLS for the gRPC port; with a client CA, a client certificate signed by it is required."""
+    client_ca = (
+        Path(settings.tls_client_ca_file).read_bytes() if settings.tls_client_ca_file else None
+    )
+    return grpc.ssl_server_credentials(
+        [
+            (
+                Path(str(settings.tls_key_file)).read_bytes(),
+                Path(str(settings.tls_cert_file)).read_bytes(),
+            )
+        ],
+        root_certificates=client_ca,
+        require_client_auth=client_ca is not None,
+    )
 
 
 async def watch_health(database: Database, health_servicer: health.aio.HealthServicer) -> None:
@@ -111,6 +181,7 @@ async def serve(
     """Serves until SIGTERM or SIGINT (or `stop` is set, when given), then stops taking calls
     and lets those in flight finish."""
     check(settings)
+    tracing.configure()  # OTEL_* -> a TracerProvider, once per service process
     database = Database(database_url, settings)
     await database.open()
     try:
@@ -128,21 +199,23 @@ async def _serve(
     stop: asyncio.Event | None,
     role: Role,
 ) -> None:
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", settings.max_message_bytes),
-            ("grpc.so_reuseport", 1 if role.reuse_port else 0),
-        ]
-    )
     signals = Signals(settings, database_url)
     metrics = Metrics(process=role.process)
     handlers = Handlers(database, signals, settings, metrics)
+    server = grpc.aio.server(
+        interceptors=[ReflectionGuard(handlers.guard)],
+        options=[
+            ("grpc.max_receive_message_length", settings.max_message_bytes),
+            ("grpc.so_reuseport", 1 if role.reuse_port else 0),
+        ],
+    )
     server.add_generic_rpc_handlers([handlers.generic_handler()])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        [SERVICE.full_name, health.SERVICE_NAME, reflection.SERVICE_NAME], server
-    )
+    if settings.reflection:
+        reflection.enable_server_reflection(
+            [SERVICE.full_name, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+        )
     replica = uuid.uuid4()  # this process: its overrides' row, its claim on the leader lease
     leadership = housekeeping.Leadership(database, settings, replica)
     if housekeeping.overrides(settings):
@@ -155,7 +228,12 @@ async def _serve(
     status_server = StatusServer(database, settings, metrics) if role.status_page else None
     http_port = await status_server.start() if status_server else None
     try:
-        port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+        address = f"{settings.host}:{settings.port}"
+        port = (
+            server.add_secure_port(address, server_credentials(settings))
+            if settings.tls
+            else server.add_insecure_port(address)
+        )
     except BaseException:
         if status_server:
             await status_server.close()
@@ -163,7 +241,8 @@ async def _serve(
     await server.start()
     log.info("GenerationDataService listening on %s:%d", settings.host, port)
     if http_port is not None:
-        log.info("status page and /metrics on http://%s:%d/", settings.host, http_port)
+        announce(settings)  # once per host: by the process serving the page
+        log.info("status page and /metrics on %s", page_url(settings, http_port))
     if ready:
         ready(port)
 
@@ -275,7 +354,8 @@ async def _supervise(
     stopped = False
     try:
         http_port = await status_server.start()
-        log.info("status page and /metrics on http://%s:%d/", settings.host, http_port)
+        announce(settings)
+        log.info("status page and /metrics on %s", page_url(settings, http_port))
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)

@@ -21,8 +21,9 @@ class Settings:
     data_dir: Path = Path(".genq")
     """GENQ_DATA_DIR (.genq): where the embedded Postgres keeps its data."""
 
-    host: str = "0.0.0.0"
-    """GENQ_HOST (0.0.0.0): address the gRPC server binds."""
+    host: str = "127.0.0.1"
+    """GENQ_HOST (127.0.0.1): the address both ports bind. Loopback only by default; another
+    address needs auth (GENQ_AUTH=required or GENQ_TLS_CLIENT_CA_FILE), or GENQ_ALLOW_INSECURE."""
 
     port: int = 50051
     """GENQ_PORT (50051): gRPC port; 0 picks a free one (printed at start)."""
@@ -114,6 +115,43 @@ class Settings:
     environment: str = "dev"
     """ENVIRONMENT (dev): namespace of the Redis keys, `{env}:common:task:wake` and
     `{env}:common:task:{id}:events`; every service and worker of a deployment must agree."""
+
+    tls_cert_file: str | None = None
+    """GENQ_TLS_CERT_FILE (unset): PEM certificate chain; with GENQ_TLS_KEY_FILE, both ports
+    speak TLS only (plaintext is refused). Read at start: a new certificate needs a restart."""
+
+    tls_key_file: str | None = None
+    """GENQ_TLS_KEY_FILE (unset): the PEM private key of GENQ_TLS_CERT_FILE."""
+
+    tls_client_ca_file: str | None = None
+    """GENQ_TLS_CLIENT_CA_FILE (unset): mutual TLS; every client of either port must present a
+    certificate signed by one of these PEM CA certificates. Needs GENQ_TLS_CERT_FILE."""
+
+    auth: str = "optional"
+    """GENQ_AUTH (optional): `required` makes a valid token (`authorization: Bearer`) mandatory
+    on every RPC but gRPC health, and on the HTTP port but /healthz. `optional`: a call without
+    a token acts with every role, as before tokens existed; a token sent is still checked."""
+
+    allow_insecure: bool = False
+    """GENQ_ALLOW_INSECURE (false): lets GENQ_HOST be a non-loopback address without auth (a
+    warning at every start). Without it such a start is refused."""
+
+    reflection: bool = True
+    """GENQ_REFLECTION (true): gRPC server reflection (what `grpcurl list` uses). It serves
+    every method's SQL: turn it off where callers should not read it."""
+
+    http_hosts: str = ""
+    """GENQ_HTTP_HOSTS (unset): comma-separated names the HTTP port answers as (its Host header,
+    port aside), beside localhost, 127.0.0.1, ::1 and GENQ_HOST; others get 421 (DNS rebinding).
+    /healthz answers any Host."""
+
+    @property
+    def auth_required(self) -> bool:
+        return self.auth == "required"
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert_file)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:

@@ -147,7 +147,13 @@ def free_port() -> int:
 class ServiceProcess:
     """`genq serve` in its own process, as an operator would run it."""
 
-    def __init__(self, database_url: str | None, log_path: Path, **env: str) -> None:
+    def __init__(
+        self,
+        database_url: str | None,
+        log_path: Path,
+        credentials: grpc.ChannelCredentials | None = None,
+        **env: str,
+    ) -> None:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         environment = {
@@ -173,7 +179,12 @@ class ServiceProcess:
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )
-        self.channel = grpc.insecure_channel(self.address)
+        # A TLS service (GENQ_TLS_CERT_FILE) is reached with the test's `credentials`.
+        self.channel = (
+            grpc.secure_channel(self.address, credentials)
+            if credentials
+            else grpc.insecure_channel(self.address)
+        )
         self.stub = task_pb2_grpc.GenerationDataServiceStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         wait_for(self.serving, timeout=60, what=f"genq serve on {self.address} ({log_path})")

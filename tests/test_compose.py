@@ -23,12 +23,15 @@ import yaml
 
 from service.cli import parser
 from service.settings import Settings, env_names
-from tests.conftest import ROOT, ServiceProcess, free_port
+from tests.certificates import channel_credentials, make_certs
+from tests.conftest import ROOT, Databases, ServiceProcess, free_port, url_for
 
 COMPOSE: dict[str, Any] = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
-APP_SERVICES = ["genq", "worker", "reconciler", "setup"]
+APP_SERVICES = ["certs", "genq", "tokens", "worker", "reconciler", "setup"]
 """The services that run the project's own image."""
+ONE_SHOTS = ["certs", "tokens"]
+"""Provisioning scripts (`sh -ec SCRIPT`) that run once before the clients start."""
 CLIENTS = ["worker", "reconciler", "setup"]
 """The services that reach the data plane over gRPC (and hold no database credentials)."""
 DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(Settings)}
@@ -47,12 +50,31 @@ def command(service: str) -> list[str]:
 
 
 def reader_source(service: str) -> str:
-    """The source of the program a service runs: the script, or the `genq` CLI."""
+    """The source of the program a service runs: the script, or the `genq` CLI, and the SDK
+    client both use (it reads the token and TLS variables)."""
     cmd = command(service)
+    client = (ROOT / "workers_sdk" / "client.py").read_text()
     if cmd[0] == "genq":
-        return (ROOT / "service" / "cli.py").read_text()
+        return (ROOT / "service" / "cli.py").read_text() + client
     assert cmd[0] == "python", cmd
-    return (ROOT / cmd[1]).read_text()
+    return (ROOT / cmd[1]).read_text() + client
+
+
+def script_commands(service: str) -> list[list[str]]:
+    """The `genq` command lines a one-shot's script runs (a shell function's arguments added)."""
+    cmd = command(service)
+    assert cmd[:2] == ["sh", "-ec"], f"{service}: a one-shot runs `sh -ec SCRIPT`"
+    lines = [shlex.split(line) for line in cmd[2].splitlines() if line.strip()]
+    calls = [words[1:] for words in lines if words[0] == "provision"]
+    return [["genq", "token", "create", *call[1:]] for call in calls] or [
+        words for words in lines if words[0] == "genq"
+    ]
+
+
+def volume_targets(service: str) -> dict[str, str]:
+    """Mount point -> named volume."""
+    mounts = (str(mount).split(":") for mount in SERVICES[service].get("volumes", []))
+    return {parts[1]: parts[0] for parts in mounts}
 
 
 def container_ports(service: str) -> dict[int, int]:
@@ -75,7 +97,7 @@ def test_the_services_and_their_images() -> None:
     assert SERVICES["postgres"]["image"] == "postgres:15"
     assert SERVICES["redis"]["image"] == "redis:7"
     images = {(SERVICES[s]["image"], SERVICES[s]["build"]) for s in APP_SERVICES}
-    assert images == {("genq:local", ".")}, "one image, built from the Dockerfile, for all four"
+    assert images == {("genq:local", ".")}, "one image, built from the Dockerfile, for all"
 
 
 def test_health_checks() -> None:
@@ -94,21 +116,32 @@ def test_health_checks() -> None:
 
 def test_start_order_waits_for_health() -> None:
     healthy = {"condition": "service_healthy"}
+    done = {"condition": "service_completed_successfully"}
     expected = {
-        "genq": {"postgres": healthy, "redis": healthy},
-        "worker": {"genq": healthy},
-        "reconciler": {"genq": healthy},
-        "setup": {"genq": healthy},
+        "genq": {"postgres": healthy, "redis": healthy, "certs": done},
+        "tokens": {"genq": healthy},  # migrated: the tokens table exists
+        "worker": {"genq": healthy, "tokens": done},
+        "reconciler": {"genq": healthy, "tokens": done},
+        "setup": {"genq": healthy, "tokens": done},
     }
     for service, depends_on in expected.items():
         assert SERVICES[service]["depends_on"] == depends_on, service
     for service, spec in SERVICES.items():
-        for dependency in spec.get("depends_on", {}):
-            assert "healthcheck" in SERVICES[dependency], f"{service} waits on {dependency}"
+        for dependency, condition in spec.get("depends_on", {}).items():
+            if condition == healthy:
+                assert "healthcheck" in SERVICES[dependency], f"{service} waits on {dependency}"
+            else:
+                assert condition == done and SERVICES[dependency]["restart"] == "no", service
 
 
 def test_every_command_is_one_the_image_runs() -> None:
-    for service in APP_SERVICES:
+    for service in ONE_SHOTS:
+        for line in script_commands(service):
+            try:
+                parser().parse_args(line[1:])
+            except SystemExit:
+                pytest.fail(f"{service}: `{shlex.join(line)}` is not a genq command line")
+    for service in set(APP_SERVICES) - set(ONE_SHOTS):
         cmd = command(service)
         if cmd[0] == "genq":
             try:
@@ -127,7 +160,45 @@ def test_every_command_is_one_the_image_runs() -> None:
 
 def test_setup_runs_once() -> None:
     # Unquoted, YAML reads `no` as false, which compose rejects.
-    assert SERVICES["setup"]["restart"] == "no"
+    for service in ["setup", *ONE_SHOTS]:
+        assert SERVICES[service]["restart"] == "no", service
+
+
+def test_the_stack_runs_with_tls_and_tokens() -> None:
+    """Every port speaks TLS, every call needs a token, each client has a token of its own role
+    from the tokens one-shot, and the certificate covers the name clients dial."""
+    genq = environment("genq")
+    assert genq["GENQ_AUTH"] == "required"
+    assert genq["GENQ_HOST"] == "0.0.0.0"  # reachable from the other containers: auth is on
+    certs_dir = volume_targets("genq")
+    chain, key = genq["GENQ_TLS_CERT_FILE"], genq["GENQ_TLS_KEY_FILE"]
+    assert Path(chain).parent.as_posix() in certs_dir and Path(key).parent == Path(chain).parent
+    script = command("certs")[2]
+    assert f"> {Path(chain).name}" in script and f"-keyout {Path(key).name}" in script
+    assert "DNS:genq" in script  # the name in GENQ_ADDR / --target
+    made = {line[line.index("--note") + 1]: line for line in script_commands("tokens")}
+    roles = {
+        "worker": "worker",
+        "reconciler": "reconciler",
+        "setup": "operator",
+    }
+    for client in CLIENTS:
+        env = environment(client)
+        token_file = env["GENQ_TOKEN_FILE"]
+        assert volume_targets(client)[str(Path(token_file).parent)] == "secrets"
+        assert volume_targets("tokens")[str(Path(token_file).parent)] == "secrets"
+        note = f"compose-{client}" if client != "setup" else "compose-setup"
+        assert f"/secrets/{Path(token_file).name} " in command("tokens")[2].replace(
+            f"provision {token_file} ", f"{token_file} "
+        )
+        line = made[note]
+        assert line[line.index("--role") + 1] == roles[client], client
+        ca = env["GENQ_TLS_CA_FILE"]
+        assert volume_targets(client)[str(Path(ca).parent)] == "certs"
+        assert f"-out {Path(ca).name}" in script
+    worker_line = made["compose-worker"]
+    assert worker_line[worker_line.index("--tool") + 1] == environment("worker")["GENQ_TOOL"]
+    assert set(COMPOSE["volumes"]) >= {"certs", "secrets"}
 
 
 def test_the_data_plane_sets_only_variables_its_settings_read() -> None:
@@ -253,12 +324,12 @@ def test_the_image_installs_the_service_and_holds_what_the_commands_run() -> Non
         assert dockerignored(path), f".dockerignore should leave out {path}"
 
 
-def health_check(port: int) -> subprocess.CompletedProcess[str]:
+def health_check(port: int, **env: str) -> subprocess.CompletedProcess[str]:
     """Runs genq's compose health check here, with the interpreter of the tests."""
     test = SERVICES["genq"]["healthcheck"]["test"]
     return subprocess.run(
         [sys.executable, *test[2:]],
-        env={"GENQ_PORT": str(port)},
+        env={"GENQ_PORT": str(port), **env},
         capture_output=True,
         text=True,
         timeout=30,
@@ -272,3 +343,24 @@ def test_the_health_check_passes_on_a_serving_data_plane(service: ServiceProcess
 
 def test_the_health_check_fails_without_a_data_plane() -> None:
     assert health_check(free_port()).returncode != 0
+
+
+def test_the_health_check_passes_on_a_tls_data_plane(databases: Databases, tmp_path: Path) -> None:
+    """As in the stack: the certificate file is the chain, ending with the CA it trusts."""
+    certs = make_certs(tmp_path)
+    chain = tmp_path / "chain.pem"
+    chain.write_bytes(certs.server_cert.read_bytes() + certs.ca.read_bytes())
+    env = {"GENQ_TLS_CERT_FILE": str(chain), "GENQ_TLS_KEY_FILE": str(certs.server_key)}
+    service = ServiceProcess(
+        url_for(databases.create("compose_tls")),
+        tmp_path / "serve.log",
+        channel_credentials(certs, client=False),
+        GENQ_AUTH="required",
+        **env,
+    )
+    try:
+        result = health_check(service.port, GENQ_TLS_CERT_FILE=str(chain))
+        assert result.returncode == 0, result.stderr
+        assert health_check(service.port).returncode != 0  # plaintext: refused
+    finally:
+        service.stop()

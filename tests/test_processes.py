@@ -114,7 +114,12 @@ def test_every_process_serves_one_port_and_parent_metrics_count_them_all(host: H
     after = scrape(host.metrics_url)
 
     calls = connections * calls_each
-    method = ("genq_rpc_requests_total", (("code", "OK"), ("method", "GetSettings")))
+    labels = (
+        ("grpc_method", "GetSettings"),
+        ("grpc_service", "generation.task.v1.GenerationDataService"),
+        ("grpc_type", "unary"),
+    )
+    method = ("grpc_server_handled_total", (("grpc_code", "OK"), *labels))
     assert after[method] - before.get(method, 0) == calls
     assert (
         total(after, "genq_process_rpc_requests_total")
@@ -127,7 +132,7 @@ def test_every_process_serves_one_port_and_parent_metrics_count_them_all(host: H
     }
     print(f"\n{calls} calls over {connections} connections, by process: {sorted(spread.items())}")
     assert {process for process, count in spread.items() if count > 0} == {"1", "2", "3"}
-    latency = ("genq_rpc_latency_seconds_count", (("method", "GetSettings"),))
+    latency = ("grpc_server_handling_seconds_count", labels)
     assert after[latency] - before.get(latency, 0) == calls
 
 

@@ -270,6 +270,9 @@ def test_the_page_shows_the_state_in_a_browser(page: Page, tmp_path: Path) -> No
     assert COOLING_KEY in cooling and "2 failures in a row" in cooling
     assert "<b>" not in dom_text.split('id="cooling"')[1].split("</section>")[0]
     assert HELD_GROUP in dom.section("holds") and "out of credit" in dom.section("holds")
+    # The audit log's newest entries: set_up's changes, by an anonymous caller (no auth here).
+    audit = dom.section("audit")
+    assert "ConfigureTool by anonymous" in audit and "UpdateSettings by anonymous" in audit
 
     tools = dom.section("tools")
     assert f"{PAUSED_TOOL} paused 1 " in tools

@@ -1,13 +1,19 @@
 """Tracing (GUIDE A12): a gateway's enqueue, the service's handling of it, and the worker's run of
 the task land in one trace. The service runs in this process here, so that one in-memory
-exporter sees the spans of all three."""
+exporter sees the spans of all three. And where a service's spans go (service/tracing.py): the
+standard OTEL_* variables, nowhere when none names an exporter."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 import threading
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,9 +22,10 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from generation.task.v1 import task_pb2
 from service import server
 from service.settings import Settings
-from tests.conftest import free_port, wait_for
+from tests.conftest import ROOT, ServiceProcess, free_port, wait_for
 from tests.test_fleet import running
 from workers_sdk import GatewayClient, GenqClient, WorkerFleet
 
@@ -99,3 +106,92 @@ def test_gateway_service_and_worker_spans_share_one_trace(
     assert any(name.startswith("process") for name in in_trace), in_trace
     assert "generation.task.v1.GenerationDataService/CompleteTask" in in_trace, in_trace
     assert task_id
+
+
+def without_otel() -> dict[str, str]:
+    return {name: value for name, value in os.environ.items() if not name.startswith("OTEL_")}
+
+
+def configure_in_a_process(**env: str) -> subprocess.CompletedProcess[str]:
+    """service.tracing.configure() in a fresh interpreter, then one span; prints what it did."""
+    script = (
+        "from opentelemetry import trace\n"
+        "from service import tracing\n"
+        "configured = tracing.configure()\n"
+        "with trace.get_tracer('probe').start_as_current_span('probe span'):\n"
+        "    pass\n"
+        "print('configured', configured, type(trace.get_tracer_provider()).__name__)\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        env={**without_otel(), **env},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_no_exporter_named_leaves_the_no_op_provider() -> None:
+    for env in ({}, {"OTEL_TRACES_EXPORTER": "none"}):
+        result = configure_in_a_process(**env)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.splitlines() == ["configured False ProxyTracerProvider"], env
+    disabled = configure_in_a_process(OTEL_TRACES_EXPORTER="console", OTEL_SDK_DISABLED="true")
+    assert disabled.stdout.splitlines() == ["configured False ProxyTracerProvider"]
+
+
+def test_console_exporter_and_service_name() -> None:
+    result = configure_in_a_process(OTEL_TRACES_EXPORTER="console")
+    assert result.returncode == 0, result.stderr
+    assert "configured True TracerProvider" in result.stdout
+    # The batch goes out at exit, after the print: the span is the output's other lines.
+    span = json.loads(
+        "\n".join(line for line in result.stdout.splitlines() if not line.startswith("configured"))
+    )
+    assert span["name"] == "probe span"
+    assert span["resource"]["attributes"]["service.name"] == "genq"
+    # OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES name it when set.
+    for env in (
+        {"OTEL_SERVICE_NAME": "genq-eu"},
+        {"OTEL_RESOURCE_ATTRIBUTES": "service.name=genq-eu"},
+    ):
+        named = configure_in_a_process(OTEL_TRACES_EXPORTER="console", **env)
+        assert '"service.name": "genq-eu"' in named.stdout, named.stdout
+
+
+def test_otlp_exporter_is_installed() -> None:
+    """OTEL_TRACES_EXPORTER=otlp finds its exporter (gRPC, or HTTP by OTEL_EXPORTER_OTLP_PROTOCOL);
+    nothing listens on the endpoint here, which costs the process no more than a logged error."""
+    for protocol in ("grpc", "http/protobuf"):
+        result = configure_in_a_process(
+            OTEL_TRACES_EXPORTER="otlp",
+            OTEL_EXPORTER_OTLP_PROTOCOL=protocol,
+            OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{free_port()}",
+            OTEL_EXPORTER_OTLP_TIMEOUT="1",
+        )
+        assert result.returncode == 0, result.stderr
+        assert "configured True TracerProvider" in result.stdout, result.stderr
+
+
+def test_a_service_started_with_the_console_exporter_prints_its_spans(
+    database_url: str, tmp_path: Path
+) -> None:
+    """Needs service/server.py to call service.tracing.configure() as each process starts."""
+    log = tmp_path / "serve.log"
+    service = ServiceProcess(
+        database_url,
+        log,
+        OTEL_TRACES_EXPORTER="console",
+        OTEL_BSP_SCHEDULE_DELAY="100",  # ms: the batch goes out at once, not in 5 s
+    )
+    try:
+        name = f"console-{uuid.uuid4().hex[:8]}"
+        service.stub.UpsertTool(task_pb2.UpsertToolRequest(name=name), timeout=10)
+        wanted = '"name": "generation.task.v1.GenerationDataService/UpsertTool"'
+        wait_for(lambda: wanted in log.read_text(), what=f"the UpsertTool span in {log}")
+    finally:
+        assert service.stop() == 0
+    text = log.read_text()
+    assert '"service.name": "genq"' in text
+    assert '"kind": "SpanKind.SERVER"' in text

@@ -4,7 +4,7 @@ No database driver is imported here, nor by anything below: only the service hol
 credentials (`tests/test_sdk_import.py` checks it).
 """
 
-from workers_sdk.client import GenqClient, current_traceparent, trace_metadata
+from workers_sdk.client import Credentials, GenqClient, current_traceparent, trace_metadata
 from workers_sdk.errors import GenqError, LeaseLost, Reason
 from workers_sdk.fleet import Handler, TaskContext, WorkerFleet
 from workers_sdk.gateway import Enqueued, GatewayClient, NewTask
@@ -20,6 +20,7 @@ from workers_sdk.reconciler import Reconciler
 __all__ = [
     "AccountError",
     "CancelledError",
+    "Credentials",
     "Enqueued",
     "GatewayClient",
     "GenqClient",

@@ -1,15 +1,19 @@
 """The asyncio connection to GenerationDataService that workers, gateways and reconcilers share.
 
 It adds to the generated stub: typed errors (`GenqError`, `LeaseLost`) instead of raw RpcErrors,
-a default deadline on every call, and the caller's current trace context as a `traceparent`
-header, so the service's spans join the caller's trace. Answers of any size are taken (gRPC's
-default refuses any over 4 MiB): a ClaimTasks of 100 tasks with large inputs is bigger, and the
-service sizes what it sends, not the client.
+a default deadline on every call, the caller's token (`authorization: Bearer`) and TLS
+(`Credentials`, read from the environment unless given), and the caller's current trace context
+as a `traceparent` header, so the service's spans join the caller's trace. Answers of any size
+are taken (gRPC's default refuses any over 4 MiB): a ClaimTasks of 100 tasks with large inputs
+is bigger, and the service sizes what it sends, not the client.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+import os
+from collections.abc import AsyncGenerator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -25,20 +29,89 @@ CHANNEL_OPTIONS = (("grpc.max_receive_message_length", -1),)
 within GENQ_MAX_INPUT_BYTES), and an answer refused here would be lost after it committed."""
 
 
-class GenqClient:
-    """One channel to the data plane. Use `await client.call("QueueTask", request)`."""
+@dataclass(frozen=True)
+class Credentials:
+    """How a client proves who it is and checks whom it talks to. TLS is on as soon as a CA or
+    a client certificate is given (for a service with a publicly signed certificate, name the
+    system's CA bundle). A token without TLS is sent in the clear: fine on loopback only."""
 
-    def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float = 10.0) -> None:
+    token: str | None = None
+    """GENQ_TOKEN (else the contents of the file GENQ_TOKEN_FILE): sent as
+    `authorization: Bearer <token>` on every call."""
+    ca_file: str | None = None
+    """GENQ_TLS_CA_FILE: PEM CA certificates the service's certificate must be signed by."""
+    client_cert_file: str | None = None
+    """GENQ_TLS_CLIENT_CERT_FILE: this client's PEM certificate, for mutual TLS."""
+    client_key_file: str | None = None
+    """GENQ_TLS_CLIENT_KEY_FILE: its PEM private key."""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **given: str | None) -> Credentials:
+        """From the environment; a value in `given` (not None) wins over its variable."""
+        env = os.environ if env is None else env
+        token = env.get("GENQ_TOKEN") or None
+        if token is None and env.get("GENQ_TOKEN_FILE"):
+            token = Path(env["GENQ_TOKEN_FILE"]).read_text().strip()
+        found = cls(
+            token=token,
+            ca_file=env.get("GENQ_TLS_CA_FILE") or None,
+            client_cert_file=env.get("GENQ_TLS_CLIENT_CERT_FILE") or None,
+            client_key_file=env.get("GENQ_TLS_CLIENT_KEY_FILE") or None,
+        )
+        return cls(**{**found.__dict__, **{k: v for k, v in given.items() if v is not None}})
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.ca_file or self.client_cert_file)
+
+    def channel(self, target: str) -> grpc.aio.Channel:
+        if not self.tls:
+            return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        if bool(self.client_cert_file) != bool(self.client_key_file):
+            raise ValueError("a client certificate needs its key (GENQ_TLS_CLIENT_KEY_FILE)")
+        return grpc.aio.secure_channel(
+            target,
+            grpc.ssl_channel_credentials(
+                root_certificates=_read(self.ca_file),
+                private_key=_read(self.client_key_file),
+                certificate_chain=_read(self.client_cert_file),
+            ),
+            options=CHANNEL_OPTIONS,
+        )
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+
+def _read(path: str | None) -> bytes | None:
+    return Path(path).read_bytes() if path else None
+
+
+class GenqClient:
+    """One channel to the data plane. Use `await client.call("QueueTask", request)`.
+
+    `credentials` default to `Credentials.from_env()` (GENQ_TOKEN, GENQ_TLS_CA_FILE, ...).
+    """
+
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        *,
+        timeout: float = 10.0,
+        credentials: Credentials | None = None,
+    ) -> None:
         self.target = target
         self.timeout = timeout
-        self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self.credentials = Credentials.from_env() if credentials is None else credentials
+        self.channel = self.credentials.channel(target)
         self.stub = task_pb2_grpc.GenerationDataServiceStub(self.channel)
+        self._auth = self.credentials.metadata()
 
     async def call(self, method: str, request: Message, *, timeout: float | None = None) -> Any:
         """Calls a unary RPC; a failure raises GenqError (LeaseLost for a lost lease)."""
         try:
             return await getattr(self.stub, method)(
-                request, timeout=timeout or self.timeout, metadata=trace_metadata()
+                request, timeout=timeout or self.timeout, metadata=self._auth + trace_metadata()
             )
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None
@@ -49,7 +122,7 @@ class GenqClient:
         """Calls a server-streaming RPC and yields its messages; errors as in `call`."""
         try:
             async for message in getattr(self.stub, method)(
-                request, timeout=timeout, metadata=trace_metadata()
+                request, timeout=timeout, metadata=self._auth + trace_metadata()
             ):
                 yield message
         except grpc.RpcError as error:

@@ -28,6 +28,12 @@ class Reason(StrEnum):
     DATABASE_UNAVAILABLE = "DATABASE_UNAVAILABLE"
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
     INTERNAL = "INTERNAL"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+    """No valid token: none sent where one is required, or an unknown, expired or revoked one."""
+    ROLE_NOT_ALLOWED = "ROLE_NOT_ALLOWED"
+    """The token's roles do not include one the RPC allows (its `roles` option)."""
+    TOOL_NOT_ALLOWED = "TOOL_NOT_ALLOWED"
+    """The token reaches other tools than the one the call acts on."""
 
 
 class GenqError(Exception):

@@ -114,7 +114,7 @@ from opentelemetry import propagate, trace
 
 from generation.task.v1 import task_pb2
 from workers_sdk import outcomes
-from workers_sdk.client import DEFAULT_TARGET, GenqClient
+from workers_sdk.client import DEFAULT_TARGET, Credentials, GenqClient
 from workers_sdk.errors import GenqError, LeaseLost, Reason
 
 log = logging.getLogger(__name__)
@@ -461,6 +461,8 @@ class WorkerFleet:
     """Hosts tools and works their tasks; see the module docstring for the loop, leases and drain.
 
     Settings (each with its default):
+    - `credentials` (None: `Credentials.from_env()`, GENQ_TOKEN and GENQ_TLS_*): the token and
+      TLS of the client the fleet makes from a target (a client given brings its own).
     - `poll_interval` (2.0 s): how long an idle tool's claim parks in the service, jittered
       by ±25 % so a fleet's claims do not line up; at most 30 s (the service's limit).
     - `heartbeat_interval` (60 s): the longest time between two extensions of a running task's
@@ -494,6 +496,7 @@ class WorkerFleet:
         report_delay: float = DEFAULT_REPORT_DELAY,
         retry_unknown_errors: bool = False,
         tracer_provider: trace.TracerProvider | None = None,
+        credentials: Credentials | None = None,
     ) -> None:
         if poll_interval <= 0:
             raise ValueError("poll_interval must be positive")
@@ -508,6 +511,7 @@ class WorkerFleet:
         self._target = client if isinstance(client, str) else client.target
         self._client = None if isinstance(client, str) else client
         self._owns_client = isinstance(client, str)
+        self._credentials = credentials  # for the client made from a target (None: from env)
         self.poll_interval = poll_interval
         self.heartbeat_interval = heartbeat_interval
         self.drain_timeout = drain_timeout
@@ -591,7 +595,11 @@ class WorkerFleet:
             raise RuntimeError("a fleet runs once")
         loop = self._loop = asyncio.get_running_loop()
         if self._client is None:
-            self._client = GenqClient(self._target)
+            self._client = (
+                GenqClient(self._target)  # its own credentials, from the environment
+                if self._credentials is None
+                else GenqClient(self._target, credentials=self._credentials)
+            )
         if self._stop_requested:
             self._begin_stop()
         threads = sum(lane.concurrency for lane in self._lanes.values() if lane.runs_in_thread)

@@ -500,8 +500,7 @@ class GenerationDataServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListAuditEntries(self, request, context):
-        """Terminal tasks holding a reservation that no settlement has settled yet, oldest first.
-        The audit log, newest first: every audited change (the `audited` option), and the token
+        """The audit log, newest first: every audited change (the `audited` option), and the token
         changes made with `genq token`. `before_id` pages on from the last entry shown.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -509,7 +508,8 @@ class GenerationDataServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListUnsettledTasks(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Terminal tasks holding a reservation that no settlement has settled yet, oldest first.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

@@ -188,11 +188,11 @@ class GenerationDataServiceStub:
     parking between pages until this process appends an event or a short re-check comes due.
     """
     ListAuditEntries: _grpc.UnaryUnaryMultiCallable[_task_pb2.ListAuditEntriesRequest, _task_pb2.ListAuditEntriesResponse]
-    """Terminal tasks holding a reservation that no settlement has settled yet, oldest first.
-    The audit log, newest first: every audited change (the `audited` option), and the token
+    """The audit log, newest first: every audited change (the `audited` option), and the token
     changes made with `genq token`. `before_id` pages on from the last entry shown.
     """
     ListUnsettledTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.ListUnsettledTasksRequest, _task_pb2.ListUnsettledTasksResponse]
+    """Terminal tasks holding a reservation that no settlement has settled yet, oldest first."""
     SettleTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.SettleTaskRequest, _task_pb2.SettleTaskResponse]
     """Settles a terminal task's reservation exactly once per settlement round: completed charges
     the reported usage (at most the reservation) and refunds the rest; any other end refunds it
@@ -361,11 +361,11 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     parking between pages until this process appends an event or a short re-check comes due.
     """
     ListAuditEntries: _aio.UnaryUnaryMultiCallable[_task_pb2.ListAuditEntriesRequest, _task_pb2.ListAuditEntriesResponse]  # type: ignore[assignment]
-    """Terminal tasks holding a reservation that no settlement has settled yet, oldest first.
-    The audit log, newest first: every audited change (the `audited` option), and the token
+    """The audit log, newest first: every audited change (the `audited` option), and the token
     changes made with `genq token`. `before_id` pages on from the last entry shown.
     """
     ListUnsettledTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.ListUnsettledTasksRequest, _task_pb2.ListUnsettledTasksResponse]  # type: ignore[assignment]
+    """Terminal tasks holding a reservation that no settlement has settled yet, oldest first."""
     SettleTask: _aio.UnaryUnaryMultiCallable[_task_pb2.SettleTaskRequest, _task_pb2.SettleTaskResponse]  # type: ignore[assignment]
     """Settles a terminal task's reservation exactly once per settlement round: completed charges
     the reported usage (at most the reservation) and refunds the rest; any other end refunds it
@@ -723,8 +723,7 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _task_pb2.ListAuditEntriesRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.ListAuditEntriesResponse, _abc.Awaitable[_task_pb2.ListAuditEntriesResponse]]:
-        """Terminal tasks holding a reservation that no settlement has settled yet, oldest first.
-        The audit log, newest first: every audited change (the `audited` option), and the token
+        """The audit log, newest first: every audited change (the `audited` option), and the token
         changes made with `genq token`. `before_id` pages on from the last entry shown.
         """
 
@@ -733,7 +732,8 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _task_pb2.ListUnsettledTasksRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_task_pb2.ListUnsettledTasksResponse, _abc.Awaitable[_task_pb2.ListUnsettledTasksResponse]]: ...
+    ) -> _typing.Union[_task_pb2.ListUnsettledTasksResponse, _abc.Awaitable[_task_pb2.ListUnsettledTasksResponse]]:
+        """Terminal tasks holding a reservation that no settlement has settled yet, oldest first."""
 
     @_abc_1.abstractmethod
     def SettleTask(

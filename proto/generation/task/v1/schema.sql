@@ -300,8 +300,8 @@ CREATE TABLE generation.leader (
 );
 
 -- API tokens (alembic 0008): a caller presents `genq_<id>_<secret>`; only the secret's SHA-256 is
--- stored, so a stolen backup holds no credential. Revoked or expired rows stop working on every
--- replica within the service's token cache time (30 s).
+-- stored, so a stolen backup holds no credential. A revoked or expired token stops working on
+-- every replica within 30 s (the service trusts a looked-up token for 15 s).
 CREATE TABLE generation.tokens (
     id uuid PRIMARY KEY DEFAULT gen_random_uuid(),
     secret_sha256 bytea NOT NULL,
