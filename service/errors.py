@@ -13,7 +13,7 @@ from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from workers_sdk.errors import DOMAIN, Reason
+from generation.task.v1.reasons import DOMAIN, Reason
 
 
 class ServiceError(Exception):

@@ -18,6 +18,7 @@ from google.protobuf.message import Message
 from psycopg.types.json import Jsonb
 
 from generation.task.v1 import options_pb2, task_pb2
+from generation.task.v1.reasons import Reason
 from service import messages, validation
 from service.errors import (
     IdempotencyKeyReused,
@@ -33,7 +34,6 @@ from service.errors import (
 from service.messages import Row
 from service.settings import Settings
 from service.signals import Signals
-from workers_sdk.errors import Reason
 
 DEFAULT_TTL_SECONDS = 7 * 86_400
 MAX_TTL_SECONDS = 10 * 365 * 86_400

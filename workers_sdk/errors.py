@@ -1,39 +1,19 @@
 """Errors the data plane returns, unpacked from the gRPC status.
 
 The service puts a `google.rpc.ErrorInfo` (domain "genq") in every error it returns; its reason
-is one of `Reason`. Clients branch on the reason, never on the message text.
+is one of `Reason`, generated from the `ErrorReason` enum of task.proto, which the service uses
+too. Clients branch on the reason, never on the message text.
 """
 
 from __future__ import annotations
-
-from enum import StrEnum
 
 import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-DOMAIN = "genq"
+from generation.task.v1.reasons import DOMAIN, Reason
 
-
-class Reason(StrEnum):
-    INVALID_ARGUMENT = "INVALID_ARGUMENT"
-    TASK_NOT_FOUND = "TASK_NOT_FOUND"
-    TOOL_NOT_FOUND = "TOOL_NOT_FOUND"
-    LEASE_LOST = "LEASE_LOST"
-    TASK_NOT_STALE = "TASK_NOT_STALE"
-    TASK_NOT_TERMINAL = "TASK_NOT_TERMINAL"
-    TASK_FINISHED = "TASK_FINISHED"
-    TASK_NOT_RETRYABLE = "TASK_NOT_RETRYABLE"
-    IDEMPOTENCY_KEY_REUSED = "IDEMPOTENCY_KEY_REUSED"
-    DATABASE_UNAVAILABLE = "DATABASE_UNAVAILABLE"
-    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
-    INTERNAL = "INTERNAL"
-    UNAUTHENTICATED = "UNAUTHENTICATED"
-    """No valid token: none sent where one is required, or an unknown, expired or revoked one."""
-    ROLE_NOT_ALLOWED = "ROLE_NOT_ALLOWED"
-    """The token's roles do not include one the RPC allows (its `roles` option)."""
-    TOOL_NOT_ALLOWED = "TOOL_NOT_ALLOWED"
-    """The token reaches other tools than the one the call acts on."""
+__all__ = ["DOMAIN", "GenqError", "LeaseLost", "Reason", "from_rpc_error"]
 
 
 class GenqError(Exception):

@@ -56,6 +56,80 @@ TASK_STATUS_EXPIRED: TaskStatus.ValueType  # 7
 """Terminal: still queued when its expiry passed (it may have run before, and been requeued)."""
 Global___TaskStatus: _TypeAlias = TaskStatus  # noqa: Y015
 
+class _ErrorReason:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReason.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ERROR_REASON_UNSPECIFIED: _ErrorReason.ValueType  # 0
+    ERROR_REASON_INVALID_ARGUMENT: _ErrorReason.ValueType  # 1
+    """A field of the request is malformed or out of range; the ErrorInfo's `field` names it."""
+    ERROR_REASON_TASK_NOT_FOUND: _ErrorReason.ValueType  # 2
+    ERROR_REASON_TOOL_NOT_FOUND: _ErrorReason.ValueType  # 3
+    ERROR_REASON_LEASE_LOST: _ErrorReason.ValueType  # 4
+    """The lease lapsed or passed to another worker: drop the result, do not retry."""
+    ERROR_REASON_TASK_NOT_STALE: _ErrorReason.ValueType  # 5
+    """A forced fail of a task that is not stale right now."""
+    ERROR_REASON_TASK_NOT_TERMINAL: _ErrorReason.ValueType  # 6
+    """Settling a task that is not finished yet."""
+    ERROR_REASON_TASK_FINISHED: _ErrorReason.ValueType  # 7
+    """Cancelling a task that has already ended."""
+    ERROR_REASON_TASK_NOT_RETRYABLE: _ErrorReason.ValueType  # 8
+    """Retrying a task that is not failed, cancelled or expired."""
+    ERROR_REASON_IDEMPOTENCY_KEY_REUSED: _ErrorReason.ValueType  # 9
+    """An idempotency key already used with a different input."""
+    ERROR_REASON_DATABASE_UNAVAILABLE: _ErrorReason.ValueType  # 10
+    """Postgres cannot be reached (or its pool is exhausted): retry with backoff."""
+    ERROR_REASON_DEADLINE_EXCEEDED: _ErrorReason.ValueType  # 11
+    """The call's deadline passed before the database answered."""
+    ERROR_REASON_INTERNAL: _ErrorReason.ValueType  # 12
+    """A fault of the service; the message says no more."""
+    ERROR_REASON_UNAUTHENTICATED: _ErrorReason.ValueType  # 13
+    """No valid token: none sent where one is required, or an unknown, expired or revoked one."""
+    ERROR_REASON_ROLE_NOT_ALLOWED: _ErrorReason.ValueType  # 14
+    """The token's roles do not include one the RPC allows (its `roles` option)."""
+    ERROR_REASON_TOOL_NOT_ALLOWED: _ErrorReason.ValueType  # 15
+    """The token reaches other tools than the one the call acts on."""
+
+class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
+    """Why a call failed: the `reason` of the google.rpc.ErrorInfo (domain "genq") that every error
+    of the service carries, as the value's name without its ERROR_REASON_ prefix (for example
+    "LEASE_LOST"). Clients branch on it, never on the message. Both the service and the SDK use
+    the StrEnum `Reason` that proto/build.py generates from this enum.
+    """
+
+ERROR_REASON_UNSPECIFIED: ErrorReason.ValueType  # 0
+ERROR_REASON_INVALID_ARGUMENT: ErrorReason.ValueType  # 1
+"""A field of the request is malformed or out of range; the ErrorInfo's `field` names it."""
+ERROR_REASON_TASK_NOT_FOUND: ErrorReason.ValueType  # 2
+ERROR_REASON_TOOL_NOT_FOUND: ErrorReason.ValueType  # 3
+ERROR_REASON_LEASE_LOST: ErrorReason.ValueType  # 4
+"""The lease lapsed or passed to another worker: drop the result, do not retry."""
+ERROR_REASON_TASK_NOT_STALE: ErrorReason.ValueType  # 5
+"""A forced fail of a task that is not stale right now."""
+ERROR_REASON_TASK_NOT_TERMINAL: ErrorReason.ValueType  # 6
+"""Settling a task that is not finished yet."""
+ERROR_REASON_TASK_FINISHED: ErrorReason.ValueType  # 7
+"""Cancelling a task that has already ended."""
+ERROR_REASON_TASK_NOT_RETRYABLE: ErrorReason.ValueType  # 8
+"""Retrying a task that is not failed, cancelled or expired."""
+ERROR_REASON_IDEMPOTENCY_KEY_REUSED: ErrorReason.ValueType  # 9
+"""An idempotency key already used with a different input."""
+ERROR_REASON_DATABASE_UNAVAILABLE: ErrorReason.ValueType  # 10
+"""Postgres cannot be reached (or its pool is exhausted): retry with backoff."""
+ERROR_REASON_DEADLINE_EXCEEDED: ErrorReason.ValueType  # 11
+"""The call's deadline passed before the database answered."""
+ERROR_REASON_INTERNAL: ErrorReason.ValueType  # 12
+"""A fault of the service; the message says no more."""
+ERROR_REASON_UNAUTHENTICATED: ErrorReason.ValueType  # 13
+"""No valid token: none sent where one is required, or an unknown, expired or revoked one."""
+ERROR_REASON_ROLE_NOT_ALLOWED: ErrorReason.ValueType  # 14
+"""The token's roles do not include one the RPC allows (its `roles` option)."""
+ERROR_REASON_TOOL_NOT_ALLOWED: ErrorReason.ValueType  # 15
+"""The token reaches other tools than the one the call acts on."""
+Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015
+
 class _IdleReason:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
