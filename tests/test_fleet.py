@@ -195,6 +195,59 @@ def test_outcomes_and_stored_errors(service: ServiceProcess, db: Db) -> None:
         assert "secret" not in stored
 
 
+def test_a_handler_falls_back_while_its_model_cools(service: ServiceProcess, db: Db) -> None:
+    """B24: the handler asks whether its model is cooling (ctx.resource_cooling) and says which
+    one it used (ctx.use_resource): the failures cool the model that failed, the fallback then
+    serves, and the tool's own key never cools."""
+    name, primary, fallback = (
+        tool_name(),
+        f"primary-{uuid.uuid4().hex}",
+        f"fallback-{uuid.uuid4().hex}",
+    )
+    fleet = new_fleet(service)
+
+    @fleet.tool(name, concurrency=1)
+    async def generate(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
+        model = fallback if await ctx.resource_cooling(primary) else primary
+        ctx.use_resource(model)
+        if model == primary:
+            raise RetryableError("the primary model is down")
+        return {"model": model}
+
+    settings = service.stub.GetSettings(task_pb2.GetSettingsRequest()).settings
+    cooling = task_pb2.UpdateSettingsRequest(cooldown_threshold=2, cooldown_seconds=600)
+    service.stub.UpdateSettings(cooling)  # this session's default never cools (conftest)
+    try:
+        with running(fleet):
+            tool_id = fleet.tool_ids[name]
+            no_backoff(service, tool_id)
+            tasks = [queue(service.stub, tool_id, max_retries=10) for _ in range(3)]
+            wait_for(lambda: terminal(db, *tasks), what="the tasks to finish")
+    finally:
+        service.stub.UpdateSettings(
+            task_pb2.UpdateSettingsRequest(
+                cooldown_threshold=settings.cooldown_threshold,
+                cooldown_seconds=settings.cooldown_seconds,
+            )
+        )
+    assert {row(db, t)["output"]["model"] for t in tasks} == {fallback}
+    used = db.execute(
+        "SELECT resource_key, outcome::text AS outcome, count(*) AS n FROM generation.attempts "
+        "WHERE tool_id = %s GROUP BY 1, 2 ORDER BY 1, 2",
+        [tool_id],
+    ).fetchall()
+    # Two failures cool the primary; a third run may have asked before the second's report
+    # committed (a slot frees when its handler returns, before its report is sent).
+    assert used[0] == {"resource_key": fallback, "outcome": "completed", "n": 3}
+    assert (used[1]["resource_key"], used[1]["outcome"]) == (primary, "retry")
+    assert 2 <= used[1]["n"] <= 3
+    assert len(used) == 2
+    state = service.stub.GetResourceKey(task_pb2.GetResourceKeyRequest(resource_key=primary))
+    assert state.cooling
+    own = service.stub.GetResourceKey(task_pb2.GetResourceKeyRequest(resource_key=name))
+    assert not own.cooling
+
+
 def test_output_the_service_refuses_fails_the_task(service: ServiceProcess, db: Db) -> None:
     """An output over the service's size limit can never be stored: the task fails at once
     instead of being run (and paid for) again."""

@@ -134,6 +134,8 @@ MAX_CLAIM_WAIT_SECONDS = 30.0
 REPORT_ATTEMPTS = 4
 """Tries of a CompleteTask/FailTask answered UNAVAILABLE or out of time (REPORT_RETRIED_CODES)."""
 
+MAX_RESOURCE_KEY = 200
+"""The longest resource key the service takes."""
 MIN_LEASE_SECONDS = 10.0
 """The shortest lease the service grants; assumed when a claim's answer does not say."""
 
@@ -195,6 +197,7 @@ class TaskContext:
         self._token_amount = 0
         self._cost_nanos = 0
         self._details = struct_pb2.Struct()
+        self._resource_key = ""
 
     @property
     def is_lease_lost(self) -> bool:
@@ -238,6 +241,21 @@ class TaskContext:
         self._token_amount += token_amount
         self._cost_nanos += cost_nanos
 
+    async def resource_cooling(self, resource_key: str) -> bool:
+        """Whether `resource_key` (a model, say) is cooling down right now after repeated
+        retryable failures, by the database's clock: ask before picking a model, to fall back to
+        another one (and say so with `use_resource`)."""
+        request = task_pb2.GetResourceKeyRequest(resource_key=resource_key)
+        response = await self._client.call("GetResourceKey", request)
+        return bool(response.cooling)
+
+    def use_resource(self, resource_key: str) -> None:
+        """Says this run uses `resource_key` instead of the task's own: its success, or its
+        retryable failure, counts toward that key's cooldown (the last call wins)."""
+        if not resource_key or len(resource_key) > MAX_RESOURCE_KEY:
+            raise ValueError(f"resource_key must be 1 to {MAX_RESOURCE_KEY} characters")
+        self._resource_key = resource_key
+
     def from_thread(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Runs one of this context's coroutines from a sync handler's thread and waits for it."""
         try:
@@ -248,6 +266,11 @@ class TaskContext:
             coroutine.close()
             raise RuntimeError("from_thread() is for sync handlers; an async handler awaits")
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    @property
+    def used_resource(self) -> str:
+        """The resource key given to `use_resource`, or "" (the task's own)."""
+        return self._resource_key
 
     def reported_usage(self) -> task_pb2.ReportedUsage:
         return task_pb2.ReportedUsage(
@@ -990,6 +1013,7 @@ class WorkerFleet:
             lease_token=ctx.lease_token,
             output=struct,
             reported_usage=ctx.reported_usage(),
+            resource_key=ctx.used_resource,
         )
         refused = await self._report(run, "complete", request)
         if refused is not None and refused.code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -1080,6 +1104,7 @@ def _fail_request(
         failure=failure,
         increment_retry=failure == task_pb2.FAILURE_KIND_RETRYABLE,
         reported_usage=ctx.reported_usage(),
+        resource_key=ctx.used_resource,
     )
 
 
