@@ -104,13 +104,46 @@ class DatabaseUnavailable(ServiceError):
     reason = Reason.DATABASE_UNAVAILABLE
 
 
+RULES = {
+    # The schema's CHECK constraints a request can break, as the rule a caller can act on.
+    # Validation catches most first; these are what a combination of stored and new values
+    # breaks (a backoff base above the stored maximum, say).
+    "tools_name_length": "name must be 1 to 200 characters",
+    "tools_max_attempts_range": "max_attempts must be between 0 and 100",
+    "tools_backoff_range": (
+        "backoff_base_seconds must be at least 0, and backoff_max_seconds at least "
+        "backoff_base_seconds (stored values count for the fields not sent)"
+    ),
+    "tools_lease_floor": "lease_seconds must be at least 10",
+    "tools_max_in_flight_positive": "max_in_flight must be at least 1",
+    "tools_money_nonnegative": "amounts of money cannot be negative",
+    "tasks_priority_range": "priority must be between -100 and 100",
+    "tasks_max_retries_range": "max_retries must be between 0 and 100",
+    "tasks_reserved_nonnegative": "reserved_token_amount cannot be negative",
+    "tasks_cost_estimate_nonnegative": "cost_estimate_nanos cannot be negative",
+    "tasks_source_length": "source must be at most 200 characters",
+    "settings_cap_nonnegative": "daily_cap_nanos cannot be negative",
+    "settings_cooldown_threshold_positive": "cooldown_threshold must be at least 1",
+    "settings_durations_nonnegative": (
+        "cooldown_seconds, account_hold_seconds and retention_days cannot be negative"
+    ),
+    "settings_stale_thresholds_positive": (
+        "processing_grace_seconds and queued_max_age_seconds must be at least 1"
+    ),
+    "resource_limits_max_in_flight_positive": "max_in_flight must be at least 1",
+}
+
+
 def from_database(error: psycopg.Error | psycopg_pool.PoolTimeout) -> ServiceError | None:
     """The domain error a database failure means, or None for a bug (reported as INTERNAL)."""
     if isinstance(error, psycopg.errors.ForeignKeyViolation):
         return ToolNotFound("tool not found")
-    if isinstance(error, psycopg.errors.CheckViolation | psycopg.errors.DataError):
-        # Validation should have caught it; the constraint is the backstop.
-        return InvalidArgument(f"rejected by the database: {error.diag.message_primary}")
+    if isinstance(error, psycopg.errors.CheckViolation):
+        # The message names the rule, never the constraint (the schema is not the API).
+        rule = RULES.get(error.diag.constraint_name or "")
+        return InvalidArgument(rule or "a value is out of the range the service accepts")
+    if isinstance(error, psycopg.errors.DataError):
+        return InvalidArgument("a value is out of the range the service accepts")
     if isinstance(
         error,
         psycopg.OperationalError | psycopg_pool.PoolTimeout | psycopg.errors.QueryCanceled,

@@ -21,6 +21,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from generation.task.v1 import task_pb2, task_pb2_grpc
+from service import errors
 from service.settings import Settings
 from service.validation import MAX_AMOUNT, MAX_DEPTH
 from workers_sdk.errors import GenqError, Reason, from_rpc_error
@@ -646,3 +647,44 @@ def test_unparseable_request_is_invalid_argument(service: Any, no_new_task: str)
     error = from_rpc_error(caught.value)
     assert error.code == grpc.StatusCode.INVALID_ARGUMENT
     assert error.reason == Reason.INVALID_ARGUMENT
+
+
+# Constraints no request reaches: the service writes these columns itself.
+INTERNAL_CONSTRAINTS = {
+    "settings_singleton",
+    "settings_granted_nonnegative",
+    "tasks_lease_held_while_processing",
+    "tasks_retry_count_nonnegative",
+    "settlements_amounts",
+    "settlements_terminal",
+    "attempts_money_nonnegative",
+    "replica_overrides_cap_nonnegative",
+    "tokens_roles_known",
+    "tokens_secret_length",
+}
+
+
+def test_every_check_a_request_can_break_has_a_rule_to_tell(db: Db) -> None:
+    """Error messages name the rule, not the constraint: each CHECK of the schema is either
+    explained in service/errors.py RULES or written by the service alone."""
+    checks = {
+        row["conname"]
+        for row in db.execute(
+            "SELECT conname FROM pg_constraint "
+            "WHERE connamespace = 'generation'::regnamespace AND contype = 'c'"
+        ).fetchall()
+    }
+    assert checks - INTERNAL_CONSTRAINTS == set(errors.RULES)
+
+
+def test_a_combination_the_database_refuses_names_the_rule(stub: Stub, tool_id: str) -> None:
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.ConfigureTool(
+            task_pb2.ConfigureToolRequest(
+                tool_id=tool_id, backoff_base_seconds=100, backoff_max_seconds=5
+            )
+        )
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "backoff_max_seconds" in caught.value.details()
+    assert "constraint" not in caught.value.details()
+    assert "tools_" not in caught.value.details()
