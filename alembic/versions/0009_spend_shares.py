@@ -1,13 +1,14 @@
-"""Spend shares: the global cap is held per tool, so paid claims lock only their tool's row;
-concurrency limits per tool and per resource key (`max_in_flight`, `resource_limits`); and who
-enqueued each task (`tasks.source`).
+"""Spend shares of the global cap per tool, concurrency limits, and who enqueued each task.
 
 Every paid claim and costed completion used to update the one row of `generation.settings`, so
 claims of different tools serialized on it. Now each tool's row carries its share of today's
 cap (`tools.granted_nanos`, escrow in the manner of O'Neil, 1986); a claim takes the settings
 row only to be granted more (`generation.grant_share_v1`), and today's total is the sum of the
 tools' counters (`generation.spend_today`). Spend, reservations and shares all count on the
-local day their attempt started (docs/ARCHITECTURE.md, "Money").
+local day their attempt started (docs/ARCHITECTURE.md, "Spend control").
+
+Concurrency limits: `tools.max_in_flight` and `generation.resource_limits`, counted in the claim
+over `attempts_running_idx`. And `tasks.source`, who or what enqueued a task.
 
 The counters move to new columns and new function versions, so this revision is a stop-the-world
 upgrade (docs/OPERATIONS.md, "Upgrading"): replicas of 0008 fail on the dropped `_v1` functions
