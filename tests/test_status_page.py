@@ -13,6 +13,7 @@ import json
 import shutil
 import socket
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from datetime import datetime
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 from zoneinfo import ZoneInfo
 
 import psycopg
@@ -27,7 +29,9 @@ import pytest
 from google.protobuf import json_format
 
 from generation.task.v1 import task_pb2
-from tests.conftest import ROOT, Databases, ServiceProcess, free_port, url_for
+from tests.conftest import ROOT, Databases, ServiceProcess, free_port, url_for, wait_for
+from tests.tcp_proxy import TcpProxy
+from tests.test_clock_skew import LIBFAKETIME
 
 CHROMIUM_FLAGS = [
     "--headless",
@@ -131,7 +135,9 @@ def set_up(service: ServiceProcess, database_url: str) -> None:
 
     poems = stub.UpsertTool(task_pb2.UpsertToolRequest(name=SILENT_TOOL)).tool.id
     for _ in range(2):  # never claimable: stale even while the switch is off
-        stub.QueueTask(task_pb2.QueueTaskRequest(tool_id=poems, max_retries=0))
+        stub.QueueTask(
+            task_pb2.QueueTaskRequest(tool_id=poems, max_retries=0, source="status-page-test")
+        )
     stub.UpdateSettings(task_pb2.UpdateSettingsRequest(enabled=False))
 
     with psycopg.connect(database_url, autocommit=True) as db:
@@ -149,9 +155,10 @@ def set_up(service: ServiceProcess, database_url: str) -> None:
             "WHERE tool_id = %s",
             [poems],
         )
+        # As a cooldown starts: its count of failures in a row begins again at 0.
         db.execute(
             "INSERT INTO generation.cooldowns (resource_key, consecutive_failures, cooling_until) "
-            "VALUES (%s, 2, now() + interval '10 minutes')",
+            "VALUES (%s, 0, now() + interval '10 minutes')",
             [COOLING_KEY],
         )
         db.execute(
@@ -169,6 +176,7 @@ class Dom(HTMLParser):
         self.text: dict[str, str] = {}
         self.tags: list[tuple[str, dict[str, str]]] = []
         self._open: list[tuple[str, str | None]] = []
+        self.all: list[str] = []
         self.feed(markup)
 
     VOID = frozenset({"meta", "link", "br", "img", "input", "hr", "line", "rect", "path"})
@@ -196,9 +204,14 @@ class Dom(HTMLParser):
                 break
 
     def handle_data(self, data: str) -> None:
+        self.all.append(data)
         for _, element in self._open:
             if element:
                 self.text[element] += data
+
+    def text_of_all(self) -> str:
+        """Every text of the markup fed, in order (the Dom of a fragment)."""
+        return " ".join(self.all)
 
     def section(self, element: str) -> str:
         assert element in self.text, f"no element #{element} on the page"
@@ -223,7 +236,11 @@ class Reply:
 
 
 def request(page: Page, method: str, path: str, body: bytes | None = None) -> Reply:
-    connection = http.client.HTTPConnection("127.0.0.1", int(page.base.rsplit(":", 1)[1]), 10)
+    return fetch(page.base, method, path, body)
+
+
+def fetch(base: str, method: str, path: str, body: bytes | None = None) -> Reply:
+    connection = http.client.HTTPConnection("127.0.0.1", int(base.rsplit(":", 1)[1]), 10)
     try:
         connection.request(method, path, body=body)
         response = connection.getresponse()
@@ -235,11 +252,17 @@ def request(page: Page, method: str, path: str, body: bytes | None = None) -> Re
 def status_now(page: Page) -> dict[str, Any]:
     """GetStatus over gRPC as a dict, without the ages that move with the clock."""
     answer = page.service.stub.GetStatus(task_pb2.GetStatusRequest())
-    return without_ages(json_format.MessageToDict(answer, preserving_proto_field_name=True))
+    return without_ages(
+        json_format.MessageToDict(
+            answer, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+        )
+    )
 
 
 def without_ages(document: dict[str, Any]) -> dict[str, Any]:
+    """The document without what moves with the clock between two reads."""
     document = copy.deepcopy(document)
+    document["status"].pop("as_of", None)
     for depth in document["status"].get("depths", []):
         depth.pop("oldest_age", None)
     return document
@@ -253,10 +276,23 @@ def test_the_page_shows_the_state_in_a_browser(page: Page, tmp_path: Path) -> No
     assert f"({ZONE})" in dom.section("header")
     assert "disabled" in dom.section("switch")
     warnings = dom.section("warnings")
-    assert "Disabled: the kill switch is off" in warnings
-    assert f"No worker: tool {SILENT_TOOL} has 2 queued" in warnings
-    assert "Stale: 2 live task(s)" in warnings
     assert "Capped" not in warnings  # 0.95 EUR of 5.00 EUR
+    # Every banner says the command that ends it.
+    banners = dom_text.split('id="warnings"')[1].split("</ul>")[0]
+    assert banners.count("<li") == banners.count("Fix: <code>") >= 5
+    assert "Disabled: the kill switch is off; nothing runs. Fix: genq resume " in warnings
+    assert f"Paused: tool {PAUSED_TOOL} has 1 queued" in warnings
+    assert f"Fix: genq resume {PAUSED_TOOL} " in warnings
+    assert f"Cooling: resource key {COOLING_KEY}" in warnings
+    assert f"Fix: genq release-cooldown '{COOLING_KEY}' " in warnings
+    assert f"Held: account group {HELD_GROUP} (out of credit)" in warnings
+    assert f"Fix: genq release-hold {HELD_GROUP} " in warnings
+    # The stale banner names the tasks (a few, and how many in all) and what fails them.
+    stale = page.service.stub.ListStaleTasks(task_pb2.ListStaleTasksRequest()).tasks
+    assert "Stale: 2 live task(s) can never finish on their own:" in warnings
+    for item in stale:
+        assert f"{item.task.id} (unclaimable, from status-page-test)" in warnings
+    assert "Fix: genq reconcile --once fails them" in warnings
 
     assert "5.00 EUR" in dom.section("cap")
     assert "0.85 EUR" in dom.section("spend")
@@ -266,8 +302,11 @@ def test_the_page_shows_the_state_in_a_browser(page: Page, tmp_path: Path) -> No
 
     assert PAUSED_TOOL in dom.section("paused")
     assert SILENT_TOOL not in dom.section("paused")
+    # A cooling key's count began again with the cooldown: it says until when, not "0 in a row".
     cooling = dom.section("cooling")
-    assert COOLING_KEY in cooling and "2 failures in a row" in cooling
+    until = cooling_until(page)
+    assert f"{COOLING_KEY} · cooling until {until:%H:%M:%S} (" in cooling
+    assert "failures in a row" not in cooling and "failed since" not in cooling
     assert "<b>" not in dom_text.split('id="cooling"')[1].split("</section>")[0]
     assert HELD_GROUP in dom.section("holds") and "out of credit" in dom.section("holds")
     # The audit log's newest entries: set_up's changes, by an anonymous caller (no auth here).
@@ -276,7 +315,6 @@ def test_the_page_shows_the_state_in_a_browser(page: Page, tmp_path: Path) -> No
 
     tools = dom.section("tools")
     assert f"{PAUSED_TOOL} paused 1 " in tools
-    assert f"{SILENT_TOOL} no worker seen 2 never" in tools
     depths = dom.section("depths")
     assert f"{PAUSED_TOOL} processing 1" in depths
     assert f"{PAUSED_TOOL} queued 1" in depths
@@ -292,6 +330,17 @@ def test_the_page_shows_the_state_in_a_browser(page: Page, tmp_path: Path) -> No
         label = f"{minute.astimezone(ZoneInfo(ZONE)):%H:%M}"
         done, failed = (1, 0) if outcome == "completed" else (0, 1)
         assert f"<title>{label}: {done} completed, {failed} failed</title>" in dom_text
+
+
+def cooling_until(page: Page) -> datetime:
+    """When COOLING_KEY cools until, on the page's clock."""
+    with psycopg.connect(page.database_url) as db:
+        found = db.execute(
+            "SELECT cooling_until FROM generation.cooldowns WHERE resource_key = %s",
+            [COOLING_KEY],
+        ).fetchone()
+    assert found is not None
+    return found[0].astimezone(ZoneInfo(ZONE))
 
 
 def ended_minutes(page: Page) -> dict[str, datetime]:
@@ -321,7 +370,11 @@ def test_status_json_is_the_get_status_answer(page: Page) -> None:
     document = json.loads(response.body)
     assert without_ages(document) == status_now(page)
     settings = document["status"]["settings"]
-    assert settings["currency"] == "EUR" and "enabled" not in settings  # false is left out
+    # Every field, those at their proto3 default too: `enabled: false` is there to read.
+    assert settings["currency"] == "EUR" and settings["enabled"] is False
+    assert settings["disabled_by_environment"] is False
+    for tool in document["status"]["tools"]:
+        assert {"paused", "queued", "no_worker_seen", "reserved_nanos"} <= tool.keys()
     assert {depth["tool_name"] for depth in document["status"]["depths"]} == {
         PAUSED_TOOL,
         SILENT_TOOL,
@@ -360,3 +413,148 @@ def test_a_busy_http_port_stops_the_start(page: Page, tmp_path: Path) -> None:
         port = busy.getsockname()[1]
         with pytest.raises(AssertionError, match=r"GENQ_HTTP_PORT: cannot listen on 127\.0\.0\.1:"):
             ServiceProcess(page.database_url, tmp_path / "serve.log", GENQ_HTTP_PORT=str(port))
+
+
+# -- waits on purpose, and tools held up --------------------------------------------------------
+
+FRESH_PAUSED, FRESH, SILENT = "fresh-paused", "fresh", "long-silent"
+BUSY, COOLING, HELD = "at-its-limit", "cooling-tool", "held-tool"
+
+
+@pytest.fixture(scope="module")
+def waits(databases: Databases, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Page]:
+    """The switch on and a cap set: a tool that waits here does so for a reason of its own."""
+    database_url = url_for(databases.create("status_waits"))
+    http_port = free_port()
+    service = ServiceProcess(
+        database_url,
+        tmp_path_factory.mktemp("status_waits") / "serve.log",
+        GENQ_HTTP_PORT=str(http_port),
+    )
+    try:
+        stub = service.stub
+        ids = {
+            name: stub.UpsertTool(task_pb2.UpsertToolRequest(name=name)).tool.id
+            for name in (FRESH_PAUSED, FRESH, SILENT, BUSY, COOLING, HELD)
+        }
+        for tool_id in ids.values():
+            for _ in range(2):
+                stub.QueueTask(task_pb2.QueueTaskRequest(tool_id=tool_id))
+        stub.ConfigureTool(task_pb2.ConfigureToolRequest(tool_id=ids[FRESH_PAUSED], paused=True))
+        stub.ConfigureTool(task_pb2.ConfigureToolRequest(tool_id=ids[BUSY], max_in_flight=1))
+        claimed = stub.ClaimNextTask(task_pb2.ClaimNextTaskRequest(tool_id=ids[BUSY]))
+        assert claimed.task.id, claimed
+        with psycopg.connect(database_url, autocommit=True) as db:
+            # Every tool but the fresh ones has been there, queued and unclaimed, for 20 minutes.
+            db.execute(
+                "UPDATE generation.tools SET created_at = now() - interval '20 minutes', "
+                "gates_changed_at = now() - interval '20 minutes' WHERE NOT name = ANY(%s)",
+                [[FRESH_PAUSED, FRESH]],
+            )
+            db.execute(
+                "UPDATE generation.settings SET gates_changed_at = now() - interval '20 minutes'"
+            )
+            db.execute(
+                "INSERT INTO generation.cooldowns (resource_key, consecutive_failures, "
+                "cooling_until) VALUES (%s, 0, now() + interval '10 minutes')",
+                [COOLING],
+            )
+            db.execute(
+                "INSERT INTO generation.holds (account_group, held_until, reason) "
+                "VALUES (%s, now() + interval '1 hour', 'account error')",
+                [HELD],
+            )
+        yield Page(service, f"http://127.0.0.1:{http_port}", database_url)
+    finally:
+        service.stop()
+
+
+def tool_rows(dom_text: str) -> dict[str, str]:
+    """Each tool's row of the tools table, as read."""
+    table = dom_text.split('id="tools"')[1].split("</table>")[0]
+    rows = [" ".join(Dom(row).text_of_all().split()) for row in table.split("<tr>")[2:]]
+    return {row.split(" ")[0]: row for row in rows}
+
+
+def test_a_silent_tool_is_flagged_with_its_fix(waits: Page, tmp_path: Path) -> None:
+    dom_text = browse(tmp_path, "--dump-dom", f"{waits.base}/")
+    warnings = Dom(dom_text).section("warnings")
+    assert f"No worker: tool {SILENT} has 2 queued and no claim for 10 minutes" in warnings
+    assert f"Fix: genq pause {SILENT} if its work is meant to wait" in warnings
+    assert f"Paused: tool {FRESH_PAUSED} has 2 queued" in warnings
+    assert "no worker seen" in tool_rows(dom_text)[SILENT]
+
+
+def test_a_tool_waiting_on_purpose_or_new_is_not_flagged(waits: Page, tmp_path: Path) -> None:
+    """Paused (and created a moment ago), or younger than the silence window: no "no worker"."""
+    dom_text = browse(tmp_path, "--dump-dom", f"{waits.base}/")
+    warnings = Dom(dom_text).section("warnings")
+    rows = tool_rows(dom_text)
+    for name in (FRESH_PAUSED, FRESH, BUSY, COOLING, HELD):
+        assert f"No worker: tool {name} " not in warnings
+        assert "no worker seen" not in rows[name], rows[name]
+
+
+def test_held_cooling_and_busy_tools_are_badged(waits: Page, tmp_path: Path) -> None:
+    rows = tool_rows(browse(tmp_path, "--dump-dom", f"{waits.base}/"))
+    assert f"{COOLING} cooling " in rows[COOLING]
+    assert f"{HELD} held " in rows[HELD]
+    assert f"{BUSY} busy 1 of 1 running " in rows[BUSY]
+    assert f"{FRESH} ok " in rows[FRESH]
+    for name in (COOLING, HELD, BUSY):
+        assert " ok " not in rows[name]
+
+
+def test_healthz_answers_503_within_a_second_with_the_database_down(
+    databases: Databases, tmp_path: Path
+) -> None:
+    """A probe with a 1 s timeout gets its answer, not a timeout of its own (the pool waits 5 s)."""
+    target = urlsplit(url_for(databases.create("status_outage")))
+    proxy = TcpProxy((target.hostname or "127.0.0.1", target.port or 5432))
+    proxy.start()
+    proxied = target._replace(netloc=f"{target.username}@127.0.0.1:{proxy.port}").geturl()
+    base = f"http://127.0.0.1:{free_port()}"
+    service = ServiceProcess(proxied, tmp_path / "serve.log", GENQ_HTTP_PORT=base.rsplit(":", 1)[1])
+    try:
+        assert fetch(base, "GET", "/healthz").status == 200
+        proxy.cut()
+
+        def answered_503_in_time() -> bool:
+            started = time.monotonic()
+            reply = fetch(base, "GET", "/healthz")
+            took = time.monotonic() - started
+            assert took < 1.0, f"/healthz took {took:.2f} s ({reply.status})"
+            return reply.status == 503 and reply.body.startswith(b"NOT_SERVING")
+
+        wait_for(answered_503_in_time, what="/healthz 503")
+        for _ in range(3):  # and every time, not once
+            assert answered_503_in_time()
+        proxy.start()
+        wait_for(lambda: fetch(base, "GET", "/healthz").status == 200, timeout=30, what="200")
+    finally:
+        service.stop()
+        proxy.cut()
+
+
+def test_the_chart_keeps_the_database_clock(page: Page, tmp_path: Path) -> None:
+    """The service host's clock 3 h ahead: the bars stay on the minutes their runs ended."""
+    if not LIBFAKETIME.exists():
+        pytest.fail("libfaketime is not installed: .ci/run installs it (apt-get install faketime)")
+    http_port = free_port()
+    skewed = ServiceProcess(
+        page.database_url,
+        tmp_path / "serve.log",
+        GENQ_HTTP_PORT=str(http_port),
+        LD_PRELOAD=str(LIBFAKETIME),
+        FAKETIME="+3h",
+        FAKETIME_DONT_FAKE_MONOTONIC="1",
+    )
+    try:
+        dom_text = browse(tmp_path, "--dump-dom", f"http://127.0.0.1:{http_port}/")
+    finally:
+        skewed.stop()
+    assert "completed (3)" in Dom(dom_text).section("chart")
+    for outcome, minute in ended_minutes(page).items():
+        label = f"{minute.astimezone(ZoneInfo(ZONE)):%H:%M}"
+        done, failed = (1, 0) if outcome == "completed" else (0, 1)
+        assert f"<title>{label}: {done} completed, {failed} failed</title>" in dom_text

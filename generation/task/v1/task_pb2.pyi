@@ -2312,6 +2312,13 @@ class ToolStatus(_message.Message):
     LAST_CLAIM_AT_FIELD_NUMBER: _builtins.int
     QUEUED_FIELD_NUMBER: _builtins.int
     NO_WORKER_SEEN_FIELD_NUMBER: _builtins.int
+    COOLING_UNTIL_FIELD_NUMBER: _builtins.int
+    HELD_UNTIL_FIELD_NUMBER: _builtins.int
+    MAX_IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    BUSY_FIELD_NUMBER: _builtins.int
+    RESOURCE_KEY_FIELD_NUMBER: _builtins.int
+    ACCOUNT_GROUP_FIELD_NUMBER: _builtins.int
     tool_id: _builtins.str
     name: _builtins.str
     paused: _builtins.bool
@@ -2320,10 +2327,30 @@ class ToolStatus(_message.Message):
     reserved_nanos: _builtins.int
     queued: _builtins.int
     no_worker_seen: _builtins.bool
-    """Queued work and no claim within worker_silence_seconds: is a worker running?"""
+    """Queued work the tool is meant to run now (switch on, a cap with room, not paused, its key
+    not cooling, its group not held, not busy) and no worker seen for worker_silence_seconds
+    since the latest of its creation, a change of its gates, its last claim and its last poll:
+    is a worker running?
+    """
+    max_in_flight: _builtins.int
+    in_flight: _builtins.int
+    """Its tasks running now (processing)."""
+    busy: _builtins.bool
+    """At its own max_in_flight, or its key at the key's limit: a claim answers busy."""
+    resource_key: _builtins.str
+    """The key and group its tasks use unless they name their own."""
+    account_group: _builtins.str
     @_builtins.property
     def last_claim_at(self) -> _timestamp_pb2.Timestamp:
         """The last time any worker claimed one of its tasks."""
+
+    @_builtins.property
+    def cooling_until(self) -> _timestamp_pb2.Timestamp:
+        """Set while its resource key (its own, else its name) is cooling."""
+
+    @_builtins.property
+    def held_until(self) -> _timestamp_pb2.Timestamp:
+        """Set while its account group (its own, else its name) is held."""
 
     def __init__(
         self,
@@ -2337,14 +2364,26 @@ class ToolStatus(_message.Message):
         last_claim_at: _timestamp_pb2.Timestamp | None = ...,
         queued: _builtins.int = ...,
         no_worker_seen: _builtins.bool = ...,
+        cooling_until: _timestamp_pb2.Timestamp | None = ...,
+        held_until: _timestamp_pb2.Timestamp | None = ...,
+        max_in_flight: _builtins.int | None = ...,
+        in_flight: _builtins.int = ...,
+        busy: _builtins.bool = ...,
+        resource_key: _builtins.str = ...,
+        account_group: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_daily_cap_nanos", b"_daily_cap_nanos", "daily_cap_nanos", b"daily_cap_nanos", "last_claim_at", b"last_claim_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_daily_cap_nanos", b"_daily_cap_nanos", "_max_in_flight", b"_max_in_flight", "cooling_until", b"cooling_until", "daily_cap_nanos", b"daily_cap_nanos", "held_until", b"held_until", "last_claim_at", b"last_claim_at", "max_in_flight", b"max_in_flight"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_daily_cap_nanos", b"_daily_cap_nanos", "daily_cap_nanos", b"daily_cap_nanos", "last_claim_at", b"last_claim_at", "name", b"name", "no_worker_seen", b"no_worker_seen", "paused", b"paused", "queued", b"queued", "reserved_nanos", b"reserved_nanos", "spent_today_nanos", b"spent_today_nanos", "tool_id", b"tool_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_daily_cap_nanos", b"_daily_cap_nanos", "_max_in_flight", b"_max_in_flight", "account_group", b"account_group", "busy", b"busy", "cooling_until", b"cooling_until", "daily_cap_nanos", b"daily_cap_nanos", "held_until", b"held_until", "in_flight", b"in_flight", "last_claim_at", b"last_claim_at", "max_in_flight", b"max_in_flight", "name", b"name", "no_worker_seen", b"no_worker_seen", "paused", b"paused", "queued", b"queued", "reserved_nanos", b"reserved_nanos", "resource_key", b"resource_key", "spent_today_nanos", b"spent_today_nanos", "tool_id", b"tool_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__daily_cap_nanos: _TypeAlias = _typing.Literal["daily_cap_nanos"]  # noqa: Y015
     _WhichOneofArgType__daily_cap_nanos: _TypeAlias = _typing.Literal["_daily_cap_nanos", b"_daily_cap_nanos"]  # noqa: Y015
+    _WhichOneofReturnType__max_in_flight: _TypeAlias = _typing.Literal["max_in_flight"]  # noqa: Y015
+    _WhichOneofArgType__max_in_flight: _TypeAlias = _typing.Literal["_max_in_flight", b"_max_in_flight"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__daily_cap_nanos) -> _WhichOneofReturnType__daily_cap_nanos | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_in_flight) -> _WhichOneofReturnType__max_in_flight | None: ...
 
 Global___ToolStatus: _TypeAlias = ToolStatus  # noqa: Y015
 
@@ -2470,6 +2509,7 @@ class Status(_message.Message):
     HOLDS_FIELD_NUMBER: _builtins.int
     STALE_TASKS_FIELD_NUMBER: _builtins.int
     LAST_HOUR_FIELD_NUMBER: _builtins.int
+    AS_OF_FIELD_NUMBER: _builtins.int
     stale_tasks: _builtins.int
     @_builtins.property
     def settings(self) -> Global___Settings: ...
@@ -2483,6 +2523,10 @@ class Status(_message.Message):
     def holds(self) -> _containers.RepeatedCompositeFieldContainer[Global___Hold]: ...
     @_builtins.property
     def last_hour(self) -> _containers.RepeatedCompositeFieldContainer[Global___ThroughputMinute]: ...
+    @_builtins.property
+    def as_of(self) -> _timestamp_pb2.Timestamp:
+        """The database's now() for this answer: the clock the page's ages and chart use."""
+
     def __init__(
         self,
         *,
@@ -2493,10 +2537,11 @@ class Status(_message.Message):
         holds: _abc.Iterable[Global___Hold] | None = ...,
         stale_tasks: _builtins.int = ...,
         last_hour: _abc.Iterable[Global___ThroughputMinute] | None = ...,
+        as_of: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["settings", b"settings"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["as_of", b"as_of", "settings", b"settings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cooling", b"cooling", "depths", b"depths", "holds", b"holds", "last_hour", b"last_hour", "settings", b"settings", "stale_tasks", b"stale_tasks", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["as_of", b"as_of", "cooling", b"cooling", "depths", b"depths", "holds", b"holds", "last_hour", b"last_hour", "settings", b"settings", "stale_tasks", b"stale_tasks", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
