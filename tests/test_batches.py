@@ -201,3 +201,59 @@ def test_batches_in_opposite_orders_never_deadlock(
             answers = [pool.submit(report, (a, b)), pool.submit(report, (b, a))]
             assert [f.result() for f in answers] == [["", ""], ["", ""]]
     assert_invariants(db, tool_id)
+
+
+def test_batches_over_two_paid_tools_in_opposite_orders_never_deadlock(
+    stub: Stub, db: Db, tool_id: str
+) -> None:
+    """Money moves on each item's tool row: a batch locks its tools in id order before its
+    items run, so two batches whose task order puts the tools the other way round do not wait
+    on each other in a cycle."""
+    other = stub.UpsertTool(task_pb2.UpsertToolRequest(name=f"other-{tool_id}")).tool.id
+    for tool in (tool_id, other):
+        stub.ConfigureTool(task_pb2.ConfigureToolRequest(tool_id=tool, cost_estimate_nanos=1))
+    crossed = 0
+    while crossed < 10:
+        for tool in (tool_id, other):
+            for _ in range(2):
+                queue(stub, tool)
+        mine = sorted(claim_many(stub, tool_id, 2).tasks, key=lambda c: c.task.id)
+        theirs = sorted(claim_many(stub, other, 2).tasks, key=lambda c: c.task.id)
+        # One batch whose first task is this tool's, one whose first is the other's.
+        first = (mine[0], theirs[1]) if mine[0].task.id < theirs[1].task.id else None
+        second = (theirs[0], mine[1]) if theirs[0].task.id < mine[1].task.id else None
+        if first is None or second is None:
+            for claimed in (*mine, *theirs):
+                stub.CompleteTask(
+                    task_pb2.CompleteTaskRequest(
+                        task_id=claimed.task.id, lease_token=claimed.lease_token
+                    )
+                )
+            continue
+        crossed += 1
+        start = threading.Barrier(2)
+
+        def report(
+            pair: tuple[task_pb2.ClaimedTask, ...], start: threading.Barrier = start
+        ) -> list[str]:
+            start.wait()
+            answer = stub.CompleteTasks(
+                task_pb2.CompleteTasksRequest(
+                    tasks=[
+                        task_pb2.CompleteTaskRequest(
+                            task_id=c.task.id,
+                            lease_token=c.lease_token,
+                            reported_usage=task_pb2.ReportedUsage(cost_nanos=1),
+                        )
+                        for c in pair
+                    ]
+                ),
+                timeout=10,
+            )
+            return [r.refused for r in answer.results]
+
+        with ThreadPoolExecutor(2) as pool:
+            answers = [pool.submit(report, first), pool.submit(report, second)]
+            assert [f.result() for f in answers] == [["", ""], ["", ""]]
+    for tool in (tool_id, other):
+        assert_invariants(db, tool)

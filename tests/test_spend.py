@@ -377,6 +377,83 @@ def test_a_concurrency_limit_out_of_range_is_invalid(stub: Stub, limit: int) -> 
     assert not stub.GetTool(task_pb2.GetToolRequest(tool_id=tool_id)).tool.HasField("max_in_flight")
 
 
+def test_a_key_limit_holds_across_tools_under_16_racing_claimers(
+    spend_service: ServiceProcess, stub: Stub, sdb: Db, spend_url: str
+) -> None:
+    """A claim counts the key's runs after it holds the key's limit, so one that waited for
+    another claim of the key sees what that one started: never more than the limit run."""
+    set_cap(stub, UNLIMITED)
+    key = f"model-{uuid.uuid4().hex}"
+    stub.SetResourceLimit(task_pb2.SetResourceLimitRequest(resource_key=key, max_in_flight=3))
+    tools = [new_tool(stub, resource_key=key) for _ in range(4)]
+    for tool_id in tools:
+        for _ in range(10):
+            queue(stub, tool_id)
+    claimed, _ = race_claims(spend_service, spend_url, tools, UNLIMITED)
+    assert len(claimed) == 3
+    running = sdb.execute(
+        "SELECT count(*) AS n FROM generation.attempts WHERE resource_key = %s "
+        "AND outcome = 'running'",
+        [key],
+    ).fetchone()
+    assert running == {"n": 3}
+
+
+def test_a_free_claim_runs_when_a_lowered_cap_leaves_the_grants_above_it(
+    stub: Stub, sdb: Db
+) -> None:
+    set_cap(stub, 100 * UNIT)
+    paid, free = new_tool(stub, cost_estimate_nanos=UNIT), new_tool(stub)
+    queue(stub, paid)
+    queue(stub, free)
+    complete(stub, claim(stub, paid), cost=0)  # its share stays granted, nothing spent
+    set_cap(stub, 2 * UNIT)
+    assert claim(stub, free).HasField("task"), "nothing is spent: a free task fits"
+
+
+def test_a_time_zone_change_to_a_date_with_runs_counts_it_from_the_ledger(
+    stub: Stub, sdb: Db
+) -> None:
+    """The new zone's date may be one that already has runs (one started before its midnight):
+    its counters are counted from the ledger, so every run's reservation is there to release."""
+    set_cap(stub, UNLIMITED)
+    tool_id = new_tool(stub, cost_estimate_nanos=100)
+    queue(stub, tool_id)
+    queue(stub, tool_id)
+    stub.UpdateSettings(task_pb2.UpdateSettingsRequest(timezone="Etc/GMT-12"))  # UTC+12
+    try:
+        moves_back(stub, sdb, tool_id)
+    finally:
+        stub.UpdateSettings(task_pb2.UpdateSettingsRequest(timezone="UTC"))
+
+
+def moves_back(stub: Stub, sdb: Db, tool_id: str) -> None:
+    before_midnight = claim(stub, tool_id)
+    # As a run started yesterday looks today: its day's counters were dropped at midnight.
+    sdb.execute(
+        "UPDATE generation.attempts SET local_day = local_day - 1 WHERE lease_token = %s",
+        [before_midnight.lease_token],
+    )
+    sdb.execute(
+        "UPDATE generation.tools SET reserved_nanos = 0, granted_nanos = 0 WHERE id = %s",
+        [tool_id],
+    )
+    sdb.execute("UPDATE generation.settings SET granted_nanos = 0")
+    after_midnight = claim(stub, tool_id)
+    # UTC-12 is 24 hours behind: today becomes yesterday's date.
+    stub.UpdateSettings(task_pb2.UpdateSettingsRequest(timezone="Etc/GMT+12"))
+    assert tool_counters(stub, tool_id) == (0, 200)
+    complete(stub, before_midnight, cost=100)
+    complete(stub, after_midnight, cost=100)
+    assert tool_counters(stub, tool_id) == (200, 0)
+    assert_invariants(sdb, tool_id)
+
+
+def tool_counters(stub: Stub, tool_id: str) -> tuple[int, int]:
+    tool = stub.GetTool(task_pb2.GetToolRequest(tool_id=tool_id)).tool
+    return tool.spent_today_nanos, tool.reserved_nanos
+
+
 def test_estimate_zero_needs_the_total_strictly_below_the_cap(stub: Stub, sdb: Db) -> None:
     set_cap(stub, 1_000)
     tool_id = new_tool(stub)

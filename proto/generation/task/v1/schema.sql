@@ -452,12 +452,13 @@ BEGIN
     -- 4. Move the money of an attempt of today: release its reservation, add its cost.
     today := (now() AT TIME ZONE s.timezone)::date;
     IF (released > 0 OR p_cost > 0) AND a.local_day = today THEN
+        -- (Counters already of a later day, after midnight, move nothing back to this one.)
         UPDATE generation.tools AS t
         SET spent_nanos = CASE WHEN t.spent_day = today THEN t.spent_nanos ELSE 0 END + p_cost,
             reserved_nanos = CASE WHEN t.spent_day = today THEN t.reserved_nanos - released ELSE 0 END,
             granted_nanos = CASE WHEN t.spent_day = today THEN t.granted_nanos ELSE 0 END,
             spent_day = today
-        WHERE t.id = a.tool_id
+        WHERE t.id = a.tool_id AND (t.spent_day IS NULL OR t.spent_day <= today)
         RETURNING t.* INTO tl;
         -- A cost above the estimate can spend past the tool's share: the grant grows with it
         -- (billed is billed), so the grants still cover every tool's spend (settings after tools).
@@ -465,7 +466,8 @@ BEGIN
             UPDATE generation.settings AS x
             SET granted_nanos = CASE WHEN x.granted_day = today THEN x.granted_nanos ELSE 0 END
                                 + tl.spent_nanos + tl.reserved_nanos - tl.granted_nanos,
-                granted_day = today;
+                granted_day = today
+            WHERE x.granted_day IS NULL OR x.granted_day <= today;
             UPDATE generation.tools AS t SET granted_nanos = t.spent_nanos + t.reserved_nanos
             WHERE t.id = a.tool_id;
         END IF;
@@ -618,8 +620,14 @@ DECLARE
     total bigint;
     returned bigint;
 BEGIN
-    -- 1. Lock settings (after the tool's row, in the lock order): today's total of grants.
+    -- 1. Lock settings (after the tool's row, in the lock order): today's total of grants. A
+    --    total of a later day (a claim begun before midnight, after one of the new day) is
+    --    left alone and nothing granted: the next claim asks on the new day.
     SELECT * INTO s FROM generation.settings FOR NO KEY UPDATE;
+    IF s.granted_day > p_today THEN
+        RETURN QUERY SELECT NULL::bigint, s.granted_nanos;
+        RETURN;
+    END IF;
     total := CASE WHEN s.granted_day = p_today THEN s.granted_nanos ELSE 0 END;
     -- 2. Short: take back the other tools' unused shares. A row another transaction holds is
     --    skipped, never waited for: waiting after settings' lock could deadlock with its holder.
@@ -758,8 +766,12 @@ BEGIN
         END LOOP;
 
         -- 3. The concurrency limits: lock the picked keys' limits (in key order: claims of one
-        --    key across tools take turns) and count what runs of each key, then the tool's
-        --    (under its row lock). Counting stops at the limit, so the cost is the limit's.
+        --    key across tools take turns), then count what runs of each key in a statement of
+        --    its own, whose snapshot comes after the lock and so sees the runs of the claim that
+        --    held it; then the tool's, under its row lock. Counting stops at the limit.
+        PERFORM 1 FROM generation.resource_limits AS l WHERE l.resource_key = ANY (keys)
+        ORDER BY l.resource_key
+        FOR NO KEY UPDATE;
         FOR limits IN
             SELECT l.resource_key, l.max_in_flight - (
                        SELECT count(*) FROM (
@@ -768,14 +780,13 @@ BEGIN
                            LIMIT l.max_in_flight) AS running) AS room
             FROM generation.resource_limits AS l
             WHERE l.resource_key = ANY (keys)
-            ORDER BY l.resource_key
-            FOR NO KEY UPDATE OF l
         LOOP
             key_room := key_room || jsonb_build_object(limits.resource_key, limits.room);
         END LOOP;
         IF tool.max_in_flight IS NOT NULL AND array_length(ids, 1) > 0 THEN
             SELECT * INTO tool FROM generation.tools AS t WHERE t.id = p_tool FOR NO KEY UPDATE;
             spend_locked := true;
+            today := GREATEST(today, tool.spent_day);
             used := CASE WHEN tool.spent_day = today
                          THEN tool.spent_nanos + tool.reserved_nanos ELSE 0 END;
             share := CASE WHEN tool.spent_day = today THEN tool.granted_nanos ELSE 0 END;
@@ -802,6 +813,9 @@ BEGIN
             IF estimates[i] > 0 AND NOT spend_locked THEN
                 SELECT * INTO tool FROM generation.tools AS t WHERE t.id = p_tool FOR NO KEY UPDATE;
                 spend_locked := true;
+                -- A claim begun just before midnight that waited for a claim of the new day
+                -- counts on the new day: a day's counters never move back to the one before.
+                today := GREATEST(today, tool.spent_day);
                 used := CASE WHEN tool.spent_day = today
                              THEN tool.spent_nanos + tool.reserved_nanos ELSE 0 END;
                 share := CASE WHEN tool.spent_day = today THEN tool.granted_nanos ELSE 0 END;
@@ -810,8 +824,12 @@ BEGIN
                 used, today, today, reserving, estimates[i], tool.daily_cap_nanos);
             IF estimates[i] = 0 THEN
                 -- The grants bound the total spend, and it is below them while this share has
-                -- room: then the total is strictly below the cap.
-                EXIT WHEN NOT (granted < g.cap OR granted <= g.cap AND used + reserving < share);
+                -- room: then the total is strictly below the cap. Else (a lowered cap left the
+                -- grants above it, say) the total itself decides, read unlocked: nothing is
+                -- reserved for it.
+                EXIT WHEN NOT (granted < g.cap OR granted <= g.cap AND used + reserving < share
+                               OR (SELECT sp.spent_nanos::numeric + sp.reserved_nanos
+                                   FROM generation.spend_today AS sp) < g.cap);
             ELSIF used + reserving + estimates[i] > share OR granted > g.cap THEN
                 -- Short of share, or a lowered cap left the grants above it: ask for the
                 -- difference (settings' row is locked only here).
@@ -1121,6 +1139,77 @@ BEGIN
 END
 $$;
 
+-- Locks what a batch of reports (CompleteTasks, FailTasks) may change, each kind in id order and
+-- in the lock order: the tasks, their attempts under the reported leases, and the tools money
+-- moves on (a reservation to release or a cost to add). The items' transitions then find their
+-- rows held, so two batches over the same tools, or a batch and the rescuer, never wait on each
+-- other in a cycle. p_items: [{task_id, lease_token, cost_nanos}, ...].
+CREATE FUNCTION generation.lock_reported_v1(p_items jsonb) RETURNS void
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    PERFORM 1 FROM generation.tasks AS t
+    WHERE t.id IN (SELECT (x ->> 'task_id')::uuid FROM jsonb_array_elements(p_items) AS x)
+    ORDER BY t.id
+    FOR NO KEY UPDATE;
+    PERFORM 1 FROM generation.attempts AS a
+    WHERE (a.task_id, a.lease_token) IN (
+        SELECT (x ->> 'task_id')::uuid, (x ->> 'lease_token')::uuid
+        FROM jsonb_array_elements(p_items) AS x)
+    ORDER BY a.task_id, a.attempt
+    FOR NO KEY UPDATE;
+    PERFORM 1 FROM generation.tools AS tl
+    WHERE tl.id IN (
+        SELECT a.tool_id
+        FROM jsonb_array_elements(p_items) AS x
+        JOIN generation.attempts AS a
+          ON a.task_id = (x ->> 'task_id')::uuid AND a.lease_token = (x ->> 'lease_token')::uuid
+        WHERE a.outcome = 'running' AND a.estimate_nanos > 0
+           OR COALESCE((x ->> 'cost_nanos')::bigint, 0) > 0)
+    ORDER BY tl.id
+    FOR NO KEY UPDATE;
+END
+$$;
+
+-- CompleteTasks: the batch's rows locked (lock_reported_v1), then each item as CompleteTask,
+-- in task-id order; one row per item, with its ordinal.
+CREATE FUNCTION generation.complete_tasks_v1(p_items jsonb)
+RETURNS TABLE (ordinal integer, requested_id uuid, task_found boolean, task generation.tasks,
+               event jsonb)
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    PERFORM generation.lock_reported_v1(p_items);
+    RETURN QUERY
+    SELECT i.ordinal, i.task_id, c.task_found, c.task, c.event
+    FROM (SELECT * FROM jsonb_to_recordset(p_items) AS x(
+              ordinal integer, task_id uuid, lease_token uuid, output jsonb, reported_usage jsonb,
+              cost_nanos bigint, resource_key text)
+          ORDER BY x.task_id, x.ordinal) AS i,
+         LATERAL generation.complete_task_v2(i.task_id, i.lease_token, i.output,
+                                             i.reported_usage, i.cost_nanos, i.resource_key) AS c;
+END
+$$;
+
+-- FailTasks: as complete_tasks_v1, each item as FailTask with its lease.
+CREATE FUNCTION generation.fail_tasks_v1(p_items jsonb)
+RETURNS TABLE (ordinal integer, requested_id uuid, task_found boolean, forced boolean,
+               task generation.tasks, event jsonb)
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    PERFORM generation.lock_reported_v1(p_items);
+    RETURN QUERY
+    SELECT i.ordinal, i.task_id, c.task_found, c.forced, c.task, c.event
+    FROM (SELECT * FROM jsonb_to_recordset(p_items) AS x(
+              ordinal integer, task_id uuid, lease_token uuid, failure text, error text,
+              cost_nanos bigint, resource_key text)
+          ORDER BY x.task_id, x.ordinal) AS i,
+         LATERAL generation.fail_task_v2(i.task_id, i.lease_token, i.failure, i.error,
+                                         i.cost_nanos, i.resource_key) AS c;
+END
+$$;
+
 -- Hands a held task back without using a retry: a worker that stops on purpose (SIGTERM drain)
 -- releases what it could not finish. A run whose cancel was asked for ends cancelled instead.
 -- p_unconfirmed: the service itself hands back a claim whose answer it could not deliver.
@@ -1314,7 +1403,16 @@ BEGIN
     WHERE q.id = ANY (COALESCE(ids, '{}'))
     ORDER BY a.task_id, a.attempt
     FOR NO KEY UPDATE OF a;
-    -- 2. End each run.
+    -- 2. Lock the tools whose reservations the runs release, in id order: ending the runs one
+    --    by one would take them in task order, against a report batch that takes them in id
+    --    order (generation.lock_reported_v1).
+    PERFORM 1 FROM generation.tools AS tl
+    WHERE tl.id IN (SELECT a.tool_id FROM generation.attempts AS a JOIN generation.tasks AS q
+                        ON a.task_id = q.id AND a.lease_token = q.lease_token
+                    WHERE q.id = ANY (COALESCE(ids, '{}')) AND a.estimate_nanos > 0)
+    ORDER BY tl.id
+    FOR NO KEY UPDATE;
+    -- 3. End each run.
     FOR i IN 1 .. COALESCE(array_length(ids, 1), 0) LOOP
         SELECT * INTO t FROM generation.tasks WHERE id = ids[i];
         RETURN QUERY SELECT * FROM generation.end_lapsed_run_v2(t);
@@ -1432,8 +1530,8 @@ END
 $$;
 
 -- Changes the global settings; NULL leaves a setting as it is. Spend never drops by a change:
--- when a new time zone puts "today" on another date, today's counters and today's attempts move
--- to the new date. A change of the switch or the cap restarts the watchdog's clock of every
+-- when a new time zone puts "today" on another date, today's attempts move to the new date and
+-- its counters and shares are counted anew from the ledger. A change of the switch or the cap restarts the watchdog's clock of every
 -- waiting task (a deliberate wait just ended).
 CREATE FUNCTION generation.update_settings_v2(
     p_enabled boolean, p_cap bigint, p_clear_cap boolean, p_currency text, p_timezone text,
@@ -1456,10 +1554,11 @@ BEGIN
     SELECT * INTO s FROM generation.settings;
     old_today := (now() AT TIME ZONE s.timezone)::date;
     new_today := (now() AT TIME ZONE COALESCE(p_timezone, s.timezone))::date;
-    -- 1. Lock today's attempts and tools when their day moves (both come before settings).
+    -- 1. Lock today's attempts and every tool when the day moves (both come before settings).
     IF new_today <> old_today THEN
-        PERFORM 1 FROM generation.attempts WHERE local_day = old_today FOR NO KEY UPDATE;
-        PERFORM 1 FROM generation.tools WHERE spent_day = old_today ORDER BY id FOR NO KEY UPDATE;
+        PERFORM 1 FROM generation.attempts WHERE local_day = old_today
+        ORDER BY task_id, attempt FOR NO KEY UPDATE;
+        PERFORM 1 FROM generation.tools ORDER BY id FOR NO KEY UPDATE;
     END IF;
     -- 2. Lock settings, then write.
     SELECT * INTO s FROM generation.settings FOR NO KEY UPDATE;
@@ -1480,10 +1579,23 @@ BEGIN
               OR p_clear_cap OR (p_cap IS NOT NULL AND p_cap IS DISTINCT FROM x.daily_cap_nanos)
             THEN now() ELSE x.gates_changed_at END
     RETURNING x.* INTO s;
-    -- 3. Move today's counters, shares and attempts with the day.
+    -- 3. Move today's attempts with the day, then count the new day anew from the ledger:
+    --    the new date may be one that already had attempts (a zone further west), whose
+    --    counters were dropped at its midnight. Each share becomes what its tool holds.
     IF new_today <> old_today THEN
-        UPDATE generation.tools SET spent_day = new_today WHERE spent_day = old_today;
         UPDATE generation.attempts SET local_day = new_today WHERE local_day = old_today;
+        UPDATE generation.tools AS t
+        SET spent_day = new_today,
+            spent_nanos = COALESCE((SELECT sum(a.cost_nanos) FROM generation.attempts AS a
+                                    WHERE a.tool_id = t.id AND a.local_day = new_today), 0),
+            reserved_nanos = COALESCE((SELECT sum(a.estimate_nanos) FROM generation.attempts AS a
+                                       WHERE a.tool_id = t.id AND a.local_day = new_today
+                                         AND a.outcome = 'running'), 0);
+        UPDATE generation.tools SET granted_nanos = spent_nanos + reserved_nanos;
+        UPDATE generation.settings AS x
+        SET granted_day = new_today,
+            granted_nanos = (SELECT COALESCE(sum(t.granted_nanos), 0) FROM generation.tools AS t)
+        RETURNING x.* INTO s;
     END IF;
     RETURN s;
 END
