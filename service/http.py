@@ -32,7 +32,6 @@ import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from decimal import Decimal
 from http import HTTPStatus
 from urllib.parse import urlsplit
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -49,6 +48,7 @@ from service.errors import ServiceError, Unauthenticated
 from service.metrics import Metrics
 from service.rpcs import BINDINGS, STATEMENTS
 from service.settings import Settings
+from workers_sdk.cli.render import money
 
 log = logging.getLogger(__name__)
 
@@ -398,7 +398,7 @@ def render_page(
         chart=chart(status.last_hour, now, zone),
         tools=[(tool, _tool_badges(tool), _last_claim(tool, now)) for tool in status.tools],
         audit=audit,
-        money=lambda nanos: money(nanos, status.settings.currency),
+        money=lambda nanos: money(nanos, status.settings.currency, grouped=True),
         clock=clock,
         left=left,
         at=lambda stamp: stamp.ToDatetime(tzinfo=UTC),
@@ -584,20 +584,6 @@ def _nice_ceiling(value: int) -> int:
 
 
 # --- formatting -----------------------------------------------------------------------------------
-
-NANOS_PER_UNIT = Decimal(10**9)
-
-
-def money(nanos: int, currency: str) -> str:
-    """Integer nanos as decimal units with the currency label: 2500000000 -> '2.50 EUR'.
-
-    At least two decimals, more when the amount has them (0.000001234), never rounded."""
-    units = (Decimal(nanos) / NANOS_PER_UNIT).normalize()
-    exponent = units.as_tuple().exponent
-    if isinstance(exponent, int) and exponent > -2:
-        units = units.quantize(Decimal("0.01"))
-    text = f"{units:,f}"
-    return f"{text} {currency}" if currency else text
 
 
 def _cap(settings: task_pb2.Settings) -> int:

@@ -7,16 +7,26 @@ alembic.ini is read here: that file only serves an `alembic` command run in the 
 
 alembic/env.py holds a Postgres advisory lock on LOCK_KEY while it migrates, so replicas that
 start at once take turns: the first migrates, the others then find head and carry on.
+
+Alembic logs each step at INFO (and its plugins at import): held back unless the migration fails
+(service/logs.py), and summed up in one line, the revision before and after.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from alembic.config import Config
+from service import logs
 
-from alembic import command
+if TYPE_CHECKING:
+    from alembic.config import Config
+
+log = logging.getLogger(__name__)
 
 PACKAGE = "genq_migrations"
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,6 +56,8 @@ def script_location() -> Path:
 
 
 def _config(url: str) -> Config:
+    from alembic.config import Config
+
     config = Config()
     # ConfigParser interpolates %: a path holding one must escape it.
     config.set_main_option("script_location", str(script_location()).replace("%", "%%"))
@@ -54,9 +66,42 @@ def _config(url: str) -> Config:
 
 
 def upgrade(url: str, revision: str = "head") -> None:
-    command.upgrade(_config(url), revision)
+    with _migrating(url, f"upgrade to {revision}"):
+        from alembic import command  # here, held back: alembic logs its plugins at import
+
+        command.upgrade(_config(url), revision)
 
 
 def downgrade(url: str, revision: str) -> None:
     """To `revision` ("base" drops everything): always explicit, there is no default."""
-    command.downgrade(_config(url), revision)
+    with _migrating(url, f"downgrade to {revision}"):
+        from alembic import command
+
+        command.downgrade(_config(url), revision)
+
+
+@contextmanager
+def _migrating(url: str, what: str) -> Iterator[None]:
+    """Alembic held back while the block migrates; then one line: the revision now and before."""
+    with logs.held_back(f"the migration ({what})", "alembic"):
+        before = current_revision(url)
+        yield
+        after = current_revision(url)
+    if before == after:
+        log.info("database schema at revision %s: nothing to migrate", after or "base")
+    else:
+        log.info("database schema at revision %s (was %s)", after or "base", before or "base")
+
+
+def current_revision(url: str) -> str | None:
+    """The database's alembic revision (None: not migrated, or at base)."""
+    from alembic.runtime.migration import MigrationContext
+    from sqlalchemy import create_engine, pool
+
+    engine = create_engine(sqlalchemy_url(url), poolclass=pool.NullPool)
+    try:
+        with engine.connect() as connection:
+            revision: str | None = MigrationContext.configure(connection).get_current_revision()
+            return revision
+    finally:
+        engine.dispose()

@@ -201,7 +201,7 @@ def respond_queue_task(rows: list[Row]) -> task_pb2.QueueTaskResponse:
     queued = _queued(rows)
     if not queued:
         raise IdempotencyKeyReused("idempotency_key was already used with a different input")
-    return task_pb2.QueueTaskResponse(task=messages.task(queued[0]))
+    return task_pb2.QueueTaskResponse(task=messages.task(queued[0]), created=queued[0]["inserted"])
 
 
 def bind_claim_next_task(request: task_pb2.ClaimNextTaskRequest, settings: Settings) -> Params:
@@ -583,6 +583,7 @@ def bind_purge_tasks(request: task_pb2.PurgeTasksRequest, settings: Settings) ->
             request, "older_than_days", lambda n, v: validation.in_range(n, v, 0, 36_500)
         ),
         "batch_size": validation.in_range("batch_size", request.batch_size, 0, 10_000) or 1_000,
+        "dry_run": request.dry_run,
     }
 
 

@@ -34,7 +34,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from service import housekeeping, tracing
+from service import housekeeping, logs, tracing
 from service.auth import ReflectionGuard
 from service.database import Database
 from service.handlers import Handlers
@@ -50,8 +50,6 @@ log = logging.getLogger(__name__)
 # at most interval + ping timeout (2.5 s) after Postgres stops answering, idle or busy.
 HEALTH_CHECK_INTERVAL_SECONDS = 1.0
 
-# A child's log lines say which process wrote them.
-CHILD_LOG_FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
 # Beyond the grace the children give calls in flight, the time they get to exit before SIGKILL.
 STOP_MARGIN_SECONDS = 10.0
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -87,7 +85,23 @@ def authenticates(settings: Settings) -> bool:
 
 
 def check(settings: Settings) -> None:
+    """`genq serve`'s first step, before any slow work (the embedded Postgres, the migration):
+    sets the logs up (GENQ_LOG_LEVEL, GENQ_LOG_FORMAT), then refuses settings it cannot run
+    with and a port something already listens on, each in one line that names the setting."""
+    validate(settings)
+    logs.configure(settings)
+    for name, port in (("GENQ_PORT", settings.port), ("GENQ_HTTP_PORT", settings.http_port)):
+        if trouble := port_in_use(settings.host, port):
+            raise SystemExit(
+                f"{name}: cannot listen on {settings.host}:{port} ({trouble}); stop what "
+                f"listens there, or set {name} to a free port (0 picks one)"
+            )
+
+
+def validate(settings: Settings) -> None:
     """Refuses settings `serve` cannot run with."""
+    if trouble := logs.problem(settings):
+        raise SystemExit(trouble)
     if settings.auth not in ("optional", "required"):
         raise SystemExit(f"GENQ_AUTH={settings.auth!r}: must be optional or required")
     if bool(settings.tls_cert_file) != bool(settings.tls_key_file):
@@ -101,6 +115,8 @@ def check(settings: Settings) -> None:
             "GENQ_TLS_CLIENT_CA_FILE, or GENQ_ALLOW_INSECURE=true to let anyone who reaches "
             "the port do anything"
         )
+    if settings.port and settings.port == settings.http_port:
+        raise SystemExit(f"GENQ_PORT and GENQ_HTTP_PORT are both {settings.port}")
     if settings.processes < 1:
         raise SystemExit(f"GENQ_PROCESSES={settings.processes}: must be at least 1")
     if settings.leader_renew_seconds <= 0:
@@ -159,7 +175,6 @@ async def watch_health(database: Database, health_servicer: health.aio.HealthSer
     while True:
         up = await database.ping()  # bounded: it never waits past the ping timeout
         if up != serving:
-            serving = up
             state = (
                 health_pb2.HealthCheckResponse.SERVING
                 if up
@@ -167,7 +182,11 @@ async def watch_health(database: Database, health_servicer: health.aio.HealthSer
             )
             for name in ("", SERVICE.full_name):
                 await health_servicer.set(name, state)
-            log.log(logging.INFO if up else logging.WARNING, "database %s", "up" if up else "DOWN")
+            if not up:
+                log.warning("database DOWN")
+            elif serving is not None:
+                log.info("database up")
+            serving = up
         await asyncio.sleep(HEALTH_CHECK_INTERVAL_SECONDS)
 
 
@@ -180,7 +199,7 @@ async def serve(
 ) -> None:
     """Serves until SIGTERM or SIGINT (or `stop` is set, when given), then stops taking calls
     and lets those in flight finish."""
-    check(settings)
+    validate(settings)
     tracing.configure()  # OTEL_* -> a TracerProvider, once per service process
     database = Database(database_url, settings)
     await database.open()
@@ -243,6 +262,7 @@ async def _serve(
     if http_port is not None:
         announce(settings)  # once per host: by the process serving the page
         log.info("status page and /metrics on %s", page_url(settings, http_port))
+        await housekeeping.warn_at_start(database, settings)
     if ready:
         ready(port)
 
@@ -292,7 +312,7 @@ def serve_processes(
     """Runs GENQ_PROCESSES service processes on one port until SIGTERM or SIGINT; returns the
     exit status: 0 after a clean stop, 1 when a child exited on its own or did not stop cleanly.
     `ready` gets the port once every child serves."""
-    check(settings)
+    validate(settings)
     return asyncio.run(_supervise(settings, database_url, ready))
 
 
@@ -356,6 +376,7 @@ async def _supervise(
         http_port = await status_server.start()
         announce(settings)
         log.info("status page and /metrics on %s", page_url(settings, http_port))
+        await housekeeping.warn_at_start(database, settings)
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
@@ -451,21 +472,9 @@ def reserve_port(host: str, port: int) -> socket.socket:
     same way; held (never listening) until they all serve, so a port 0 picked is not given
     away meanwhile. A port something already listens on fails the start, as with one process:
     a second `genq serve` must not silently share the port."""
-    bind_host = host.strip("[]") or "0.0.0.0"
-    family, kind, _, _, address = socket.getaddrinfo(
-        bind_host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    if port:
-        probe = socket.socket(family, kind)  # no SO_REUSEPORT: any listener there refuses it
-        try:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind(address)
-        except OSError as error:
-            raise OSError(
-                error.errno, f"GENQ_PORT: cannot listen on {host}:{port} ({error.strerror})"
-            ) from error
-        finally:
-            probe.close()
+    if trouble := port_in_use(host, port):
+        raise OSError(f"GENQ_PORT: cannot listen on {host}:{port} ({trouble})")
+    family, kind, address = _address(host, port)
     reservation = socket.socket(family, kind)
     reservation.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     reservation.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
@@ -477,9 +486,37 @@ def reserve_port(host: str, port: int) -> socket.socket:
     return reservation
 
 
+def port_in_use(host: str, port: int) -> str | None:
+    """Why host:port cannot be listened on (e.g. "Address already in use"), or None; port 0
+    (any free one) always can. A bind without SO_REUSEPORT: any listener there refuses it."""
+    if not port:
+        return None
+    try:
+        family, kind, address = _address(host, port)
+    except OSError as error:  # a GENQ_HOST that does not resolve
+        return str(error)
+    probe = socket.socket(family, kind)
+    try:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind(address)
+    except OSError as error:
+        return error.strerror or str(error)
+    finally:
+        probe.close()
+    return None
+
+
+def _address(host: str, port: int) -> tuple[socket.AddressFamily, socket.SocketKind, Any]:
+    bind_host = host.strip("[]") or "0.0.0.0"
+    family, kind, _, _, address = socket.getaddrinfo(
+        bind_host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    return family, kind, address
+
+
 def _child_main(settings: Settings, database_url: str, number: int, ready: Connection) -> None:
     """A child's entry point (spawned: a fresh interpreter)."""
-    logging.basicConfig(level=logging.INFO, format=CHILD_LOG_FORMAT, force=True)
+    logs.configure(settings, child=True)
     # Ctrl-C reaches the whole process group; the parent forwards it as SIGTERM.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     role = Role(process=number, reuse_port=True, status_page=False, purge_at_start=number == 1)

@@ -140,6 +140,14 @@ class Settings:
     """GENQ_REFLECTION (true): gRPC server reflection (what `grpcurl list` uses). It serves
     every method's SQL: turn it off where callers should not read it."""
 
+    log_level: str = "info"
+    """GENQ_LOG_LEVEL (info): debug, info, warning or error. Below debug, what the embedded Postgres
+    and alembic print is held back, and logged at ERROR only if they fail."""
+
+    log_format: str = "text"
+    """GENQ_LOG_FORMAT (text): `json` writes one JSON object a line, for a log collector: time,
+    level, logger, message, and exception when there is one."""
+
     http_hosts: str = ""
     """GENQ_HTTP_HOSTS (unset): comma-separated names the HTTP port answers as (its Host header,
     port aside), beside localhost, 127.0.0.1, ::1 and GENQ_HOST; others get 421 (DNS rebinding).

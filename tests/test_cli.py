@@ -1,5 +1,6 @@
 """The operators' CLI (GUIDE B9, B10): `genq` run as a process against a real service, each
-command's answer checked against the rows, and the exit codes scripts rely on.
+command's answer checked against the rows, and the exit codes scripts rely on. The SDK-only
+install (no service libraries) is tests/test_sdk_import.py's.
 
 These tests change the global settings, so they run against a database and a service of their
 own (the fixture `service` here replaces conftest's); every test starts from a running queue with
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import uuid
@@ -23,8 +25,10 @@ import pytest
 from psycopg.rows import dict_row
 
 from generation.task.v1 import task_pb2, task_pb2_grpc
-from service import cli
+from service import rpcs, validation
 from tests.conftest import ROOT, Databases, ServiceProcess, free_port, url_for, wait_for
+from workers_sdk.cli import program, resources, values
+from workers_sdk.cli.command import CAPPED, DISABLED, ERROR, USAGE
 
 Stub = task_pb2_grpc.GenerationDataServiceStub
 Db = psycopg.Connection[dict[str, Any]]
@@ -77,10 +81,11 @@ def tool(stub: Stub) -> task_pb2.Tool:
 def genq(
     service: ServiceProcess | str, *args: str, stdin: str | None = None, **env: str
 ) -> subprocess.CompletedProcess[str]:
-    """`genq ARGS` as an operator runs it, finding the service through GENQ_ADDR."""
+    """`genq ARGS` as an operator runs it (the entry point's module), finding the service
+    through GENQ_ADDR."""
     address = service if isinstance(service, str) else service.address
     return subprocess.run(
-        [sys.executable, "-m", "service", *args],
+        [sys.executable, "-m", "workers_sdk.cli", *args],
         env={**os.environ, "GENQ_ADDR": address, **env},
         cwd=ROOT,
         input=stdin,
@@ -130,11 +135,13 @@ def run_one(stub: Stub, tool_id: str, cost: int = 0) -> str:
 
 
 def finish_long_ago(db: Db, task_ids: list[str], days: int) -> None:
+    """The tasks as if created and finished `days` ago (created a minute before finishing)."""
     db.execute(
         "UPDATE generation.tasks SET status = 'completed', claim_expires_at = NULL, "
-        "lease_token = NULL, completed_at = now() - make_interval(days => %s) "
+        "lease_token = NULL, completed_at = now() - make_interval(days => %s), "
+        "created_at = now() - make_interval(days => %s, mins => 1) "
         "WHERE id = ANY(%s::uuid[])",
-        [days, task_ids],
+        [days, days, task_ids],
     )
 
 
@@ -176,9 +183,9 @@ def test_status_exits_3_when_the_switch_is_off(
     assert paused["settings"]["enabled"] is False
     assert settings_row(cdb)["enabled"] is False
     off = genq(service, "status")
-    assert off.returncode == cli.DISABLED, off.stderr
+    assert off.returncode == DISABLED, off.stderr
     assert "queue: disabled" in off.stdout
-    assert genq_json(service, "status", code=cli.DISABLED)["status"]["settings"]["enabled"] is False
+    assert genq_json(service, "status", code=DISABLED)["status"]["settings"]["enabled"] is False
 
     resumed = genq_json(service, "resume")
     assert resumed["settings"]["enabled"] is True
@@ -191,11 +198,11 @@ def test_status_and_resume_exit_3_while_the_environment_disables(
 ) -> None:
     disabled = ServiceProcess(cli_url, tmp_path / "serve.log", GENQ_DISABLED="true", **HTTP)
     try:
-        status = genq_json(disabled, "status", code=cli.DISABLED)["status"]
+        status = genq_json(disabled, "status", code=DISABLED)["status"]
         assert status["settings"]["enabled"] is True  # stored: on; the environment wins
         assert status["settings"]["disabled_by_environment"] is True
         resumed = genq(disabled, "resume")
-        assert resumed.returncode == cli.DISABLED
+        assert resumed.returncode == DISABLED
         assert "GENQ_DISABLED" in resumed.stderr
         assert settings_row(cdb)["enabled"] is True
     finally:
@@ -208,11 +215,11 @@ def test_status_exits_4_without_a_cap_or_at_the_cap(
     cleared = genq_json(service, "cap", "--clear")
     assert "daily_cap_nanos" not in cleared["settings"]  # unset: nothing runs
     assert settings_row(cdb)["daily_cap_nanos"] is None
-    assert genq(service, "status").returncode == cli.CAPPED
+    assert genq(service, "status").returncode == CAPPED
 
     assert genq(service, "cap", "0").returncode == 0
     assert settings_row(cdb)["daily_cap_nanos"] == 0
-    assert genq(service, "status").returncode == cli.CAPPED
+    assert genq(service, "status").returncode == CAPPED
 
     assert genq(service, "cap", "10").returncode == 0
     assert genq(service, "status").returncode == 0
@@ -224,7 +231,7 @@ def test_status_exits_4_without_a_cap_or_at_the_cap(
         [4 * UNIT, 6 * UNIT, 10 * UNIT, tool.id],
     )
     capped = genq(service, "status")
-    assert capped.returncode == cli.CAPPED
+    assert capped.returncode == CAPPED
     assert "queue: capped" in capped.stdout
     assert "left 0.00" in capped.stdout
 
@@ -260,6 +267,59 @@ def test_list_pages_newest_first_by_tool_and_status(
     assert text.returncode == 0, text.stderr
     assert all(task_id in text.stdout for task_id in ids)
     assert "cancelled" in text.stdout
+    assert tool.name in text.stdout and tool.id not in text.stdout  # names, not UUIDs
+
+
+def test_list_names_the_tools_of_every_row(
+    service: ServiceProcess, stub: Stub, cdb: Db, tool: Any
+) -> None:
+    other = stub.UpsertTool(task_pb2.UpsertToolRequest(name=f"cli-{uuid.uuid4().hex[:10]}")).tool
+    mine = queue(stub, tool.id, source="batch-7").id
+    theirs = queue(stub, other.id).id
+    listed = genq(service, "list", "--limit", "1000")
+    assert listed.returncode == 0, listed.stderr
+    header, *rows = listed.stdout.splitlines()
+    assert header.split() == [
+        "ID", "TOOL", "STATUS", "PRI", "RETRIES", "CREATED", "SOURCE", "ERROR"
+    ]  # fmt: skip
+    by_id = {row.split()[0]: row.split() for row in rows}
+    assert (by_id[mine][1], by_id[mine][6]) == (tool.name, "batch-7")
+    assert (by_id[theirs][1], by_id[theirs][6]) == (other.name, "-")
+
+
+def test_text_cursors_page_through_tasks_of_one_second(
+    service: ServiceProcess, stub: Stub, cdb: Db, tool: Any
+) -> None:
+    """The CREATED column was rounded to the second, so a cursor copied from it skipped the
+    rest of that second; two tasks of one QueueTasks share an instant, so the id goes too."""
+    ids = [queue(stub, tool.id).id for _ in range(5)]
+    stamps = ["12:00:00.9", "12:00:00.5", "12:00:00.5", "12:00:00.2", "11:59:59.7"]
+    for task_id, stamp in zip(ids, stamps, strict=True):
+        cdb.execute(
+            "UPDATE generation.tasks SET created_at = %s WHERE id = %s",
+            [f"2030-01-01 {stamp}+00", task_id],
+        )
+    expected = cdb.execute(
+        "SELECT id::text FROM generation.tasks WHERE tool_id = %s "
+        "ORDER BY created_at DESC, id DESC",
+        [tool.id],
+    ).fetchall()
+
+    seen: list[str] = []
+    command = ["list", "--tool", tool.name, "--limit", "2"]
+    while True:
+        page = genq(service, *command)
+        assert page.returncode == 0, page.stderr
+        lines = page.stdout.splitlines()
+        hint = [line for line in lines if line.startswith("next page: ")]
+        seen += [line.split()[0] for line in lines[1:] if not line.startswith("next page: ")]
+        if not hint:
+            break
+        words = shlex.split(hint[0].removeprefix("next page: "))
+        assert words[:2] == ["genq", "list"]
+        command = words[1:]
+    assert seen == [row["id"] for row in expected]
+    assert "2030-01-01T12:00:00.500Z" in genq(service, "list", "--tool", tool.id).stdout
 
 
 def test_show_prints_one_task(service: ServiceProcess, stub: Stub, cdb: Db, tool: Any) -> None:
@@ -334,6 +394,58 @@ def test_enqueue_by_id_with_every_option(
     assert again["task"]["id"] == task["id"]  # the same key and input: the same task
 
 
+def test_enqueue_says_when_the_key_answered_an_existing_task(
+    service: ServiceProcess, stub: Stub, cdb: Db, tool: Any
+) -> None:
+    first = genq(service, "enqueue", tool.id, "{}", "--idempotency-key", "k-2")
+    assert first.returncode == 0, first.stderr
+    assert "existing" not in first.stdout
+    task_id = first.stdout.split()[1]
+    # The same command again, at once: QueueTask says the task is the one of the first run.
+    again = genq(service, "enqueue", tool.name, "{}", "--idempotency-key", "k-2")
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.startswith(f"task {task_id} queued: existing task (idempotency key 'k-2'")
+    as_json = genq(
+        service, "enqueue", tool.id, "{}", "--idempotency-key", "k-2", "--format", "json"
+    )
+    assert json.loads(as_json.stdout)["task"]["id"] == task_id  # stdout: the message alone
+    assert "existing task (idempotency key 'k-2'" in as_json.stderr
+
+    # A finished task the key names is an existing one too.
+    stub.CancelTask(
+        task_pb2.CancelTaskRequest(task_id=queue(stub, tool.id, idempotency_key="k-3").id)
+    )
+    finished = genq(service, "enqueue", tool.id, "{}", "--idempotency-key", "k-3")
+    assert ": existing task (idempotency key 'k-3'" in finished.stdout
+    assert " cancelled: " in finished.stdout
+    fresh = genq(service, "enqueue", tool.id, "{}", "--idempotency-key", "k-4")
+    assert (fresh.returncode, "existing" in fresh.stdout) == (0, False)
+
+
+def test_enqueue_with_a_source_and_an_expiry(
+    service: ServiceProcess, stub: Stub, cdb: Db, tool: Any
+) -> None:
+    expires = (datetime.now(UTC) + timedelta(hours=2)).replace(microsecond=0)
+    task = genq_json(
+        service,
+        "enqueue",
+        tool.id,
+        "{}",
+        "--source",
+        "nightly-backfill",
+        "--expires-at",
+        expires.isoformat(),
+    )["task"]
+    row = task_row(cdb, task["id"])
+    assert row is not None
+    assert (row["source"], row["expires_at"]) == ("nightly-backfill", expires)
+    assert task["source"] == "nightly-backfill"
+    shown = genq(service, "show", task["id"])
+    assert "source: nightly-backfill" in shown.stdout
+    both = genq(service, "enqueue", tool.id, "{}", "--ttl", "60", "--expires-at", "+60")
+    assert both.returncode == USAGE and "--ttl or --expires-at" in both.stderr
+
+
 def test_enqueue_by_name_from_stdin_and_create_tool(
     service: ServiceProcess, stub: Stub, cdb: Db, tool: Any
 ) -> None:
@@ -346,7 +458,7 @@ def test_enqueue_by_name_from_stdin_and_create_tool(
 
     name = f"cli-new-{uuid.uuid4().hex[:8]}"
     unknown = genq(service, "enqueue", name, "{}")
-    assert unknown.returncode == cli.ERROR
+    assert unknown.returncode == ERROR
     assert "--create-tool" in unknown.stderr
     assert cdb.execute("SELECT 1 FROM generation.tools WHERE name = %s", [name]).fetchone() is None
 
@@ -385,7 +497,7 @@ def test_retry_queues_a_cancelled_task_again(
 ) -> None:
     task = queue(stub, tool.id)
     refused = genq(service, "retry", task.id)  # still queued: nothing to retry
-    assert refused.returncode == cli.ERROR
+    assert refused.returncode == ERROR
     assert "FAILED_PRECONDITION (TASK_NOT_RETRYABLE)" in refused.stderr
     stub.CancelTask(task_pb2.CancelTaskRequest(task_id=task.id))
     retried = genq_json(service, "retry", task.id)["task"]
@@ -500,9 +612,153 @@ def test_stats_show_attempts_and_cost_per_day(
         2,
     )
     assert int(mine["cost_nanos"]) == ledger["cost"] == 1_234_567_892
+    cdb.execute("UPDATE generation.settings SET currency = 'EUR'")
     text = genq(service, "stats")
     assert text.returncode == 0, text.stderr
-    assert "1.234567892" in text.stdout  # exact: Decimal, never a float
+    assert "1.234567892 EUR" in text.stdout  # exact: Decimal, never a float; and the currency
+
+
+# ---- resources: configure, limit, key, release-cooldown, release-hold ----
+
+
+def claim(stub: Stub, tool_id: str) -> task_pb2.ClaimNextTaskResponse:
+    return stub.ClaimNextTask(task_pb2.ClaimNextTaskRequest(tool_id=tool_id))
+
+
+def test_release_hold_lets_the_groups_tasks_run(
+    service: ServiceProcess, stub: Stub, cdb: Db, tool: Any
+) -> None:
+    group = f"acct-{uuid.uuid4().hex[:8]}"
+    task = queue(stub, tool.id, account_group=group)
+    cdb.execute(
+        "INSERT INTO generation.holds (account_group, held_until, reason) "
+        "VALUES (%s, now() + interval '1 hour', 'quota')",
+        [group],
+    )
+    assert claim(stub, tool.id).idle_reason == task_pb2.IDLE_REASON_HELD
+
+    released = genq(service, "release-hold", group)
+    assert (released.returncode, released.stdout.strip()) == (
+        0,
+        f"released the hold of {group}: its tasks may run",
+    )
+    assert (
+        cdb.execute("SELECT 1 FROM generation.holds WHERE account_group = %s", [group]).fetchone()
+        is None
+    )
+    assert claim(stub, tool.id).task.id == task.id
+    again = genq_json(service, "release-hold", group)
+    assert again == {"released": False}
+    assert (
+        genq(service, "release-hold", group).stdout.strip()
+        == f"{group} is not held: nothing to release"
+    )
+    audited = cdb.execute(
+        "SELECT detail FROM generation.audit WHERE action = 'ReleaseHold' ORDER BY id DESC LIMIT 1"
+    ).fetchone()
+    assert audited == {"detail": {"account_group": group}}
+
+
+def test_key_shows_a_cooldown_and_release_cooldown_ends_it(
+    service: ServiceProcess, stub: Stub, cdb: Db, tool: Any
+) -> None:
+    key = f"provider/{uuid.uuid4().hex[:8]}"
+    task = queue(stub, tool.id, resource_key=key)
+    cdb.execute(
+        "INSERT INTO generation.cooldowns (resource_key, consecutive_failures, cooling_until) "
+        "VALUES (%s, 1, now() + interval '10 minutes')",
+        [key],
+    )
+    assert claim(stub, tool.id).idle_reason == task_pb2.IDLE_REASON_COOLING
+    shown = genq_json(service, "key", key)
+    assert (shown["resource_key"], shown["cooling"], shown["consecutive_failures"]) == (
+        key,
+        True,
+        1,
+    )
+    assert "max_in_flight" not in shown  # no limit
+    text = genq(service, "key", key).stdout
+    assert "cooling: yes, until " in text and "max in flight: none" in text
+
+    released = genq(service, "release-cooldown", key)
+    assert released.returncode == 0, released.stderr
+    assert released.stdout.startswith(f"released the cooldown of {key}")
+    row = cdb.execute(
+        "SELECT * FROM generation.cooldowns WHERE resource_key = %s", [key]
+    ).fetchone()
+    assert row is not None and (row["cooling_until"], row["consecutive_failures"]) == (None, 0)
+    assert genq_json(service, "key", key)["cooling"] is False
+    assert claim(stub, tool.id).task.id == task.id
+    unknown = genq(service, "release-cooldown", f"{key}-never-cooled")
+    assert (unknown.returncode, "nothing to release" in unknown.stdout) == (0, True)
+
+
+def test_limit_sets_and_clears_a_resource_keys_concurrency(
+    service: ServiceProcess, stub: Stub, cdb: Db, tool: Any
+) -> None:
+    key = f"provider/{uuid.uuid4().hex[:8]}"
+
+    def stored() -> Any:
+        found = cdb.execute(
+            "SELECT max_in_flight FROM generation.resource_limits WHERE resource_key = %s", [key]
+        ).fetchone()
+        return found and found["max_in_flight"]
+
+    set_ = genq(service, "limit", key, "1")
+    assert (set_.returncode, set_.stdout.strip()) == (0, f"resource key {key}: at most 1 in flight")
+    assert stored() == 1
+    assert genq_json(service, "key", key)["max_in_flight"] == 1
+    first, second = (queue(stub, tool.id, resource_key=key).id for _ in range(2))
+    assert claim(stub, tool.id).task.id == first
+    assert claim(stub, tool.id).idle_reason == task_pb2.IDLE_REASON_BUSY
+
+    cleared = genq_json(service, "limit", key, "--clear")
+    assert cleared == {"resource_key": key}  # no max_in_flight: no limit
+    assert stored() is None
+    assert claim(stub, tool.id).task.id == second
+    assert genq(service, "limit", key).returncode == USAGE  # neither N nor --clear
+    assert genq(service, "limit", key, "2", "--clear").returncode == USAGE
+
+
+def test_configure_shows_and_changes_a_tools_settings(
+    service: ServiceProcess, stub: Stub, cdb: Db, tool: Any
+) -> None:
+    shown = genq(service, "configure", tool.name)
+    assert shown.returncode == 0, shown.stderr
+    assert f"tool {tool.name} ({tool.id})" in shown.stdout
+    assert "max in flight: none" in shown.stdout
+
+    changed = genq_json(
+        service,
+        "configure",
+        tool.name,
+        "--max-in-flight",
+        "3",
+        "--max-attempts",
+        "5",
+        "--resource-key",
+        "provider/model",
+        "--cost-estimate",
+        "0.10",
+    )["tool"]
+    row = cdb.execute("SELECT * FROM generation.tools WHERE id = %s", [tool.id]).fetchone()
+    assert row is not None
+    assert (row["max_in_flight"], row["max_attempts"], row["resource_key"]) == (
+        3,
+        5,
+        "provider/model",
+    )
+    assert row["cost_estimate_nanos"] == UNIT // 10
+    assert (changed["max_in_flight"], changed["resource_key"]) == (3, "provider/model")
+
+    cleared = genq_json(
+        service, "configure", tool.id, "--clear", "max-in-flight", "--clear", "resource-key"
+    )["tool"]
+    assert "max_in_flight" not in cleared and "resource_key" not in cleared
+    row = cdb.execute("SELECT * FROM generation.tools WHERE id = %s", [tool.id]).fetchone()
+    assert row is not None and (row["max_in_flight"], row["resource_key"]) == (None, None)
+    both = genq(service, "configure", tool.id, "--max-in-flight", "2", "--clear", "max-in-flight")
+    assert both.returncode == USAGE, both.stderr
 
 
 # ---- purge, by hand and on the service's schedule ----
@@ -518,6 +774,20 @@ def test_purge_deletes_old_finished_tasks_in_batches(
     stub.CancelTask(task_pb2.CancelTaskRequest(task_id=old[1]))  # an event that goes with it
     finish_long_ago(cdb, [*old, unsettled], days=40)
     finish_long_ago(cdb, [recent], days=10)
+
+    dry = genq(service, "purge", "--dry-run")
+    assert (dry.returncode, dry.stdout.strip()) == (
+        0,
+        "would purge 5 finished tasks older than 30 days (dry run: none deleted)",
+    )
+    assert genq_json(service, "purge", "--dry-run") == {"purged": "5", "retention_days": 30}
+    assert all(task_row(cdb, task_id) is not None for task_id in old)
+    assert genq(service, "purge", "--dry-run", "--older-than-days", "5").stdout.startswith(
+        "would purge 6 "
+    )
+    assert genq(service, "purge", "--dry-run", "--older-than-days", "0").stdout.strip() == (
+        "retention is 0 days: everything is kept, nothing would be purged"
+    )
 
     result = genq(service, "purge", "--batch-size", "2", "--format", "json")
     assert result.returncode == 0, result.stderr
@@ -576,13 +846,13 @@ def test_the_service_purges_at_start(
 
 def test_unknown_task_and_unreachable_service_exit_1(service: ServiceProcess, stub: Stub) -> None:
     missing = genq(service, "show", str(uuid.uuid4()))
-    assert missing.returncode == cli.ERROR
+    assert missing.returncode == ERROR
     assert "NOT_FOUND (TASK_NOT_FOUND): task not found" in missing.stderr
-    assert genq(service, "pause", "no-such-tool").returncode == cli.ERROR
+    assert genq(service, "pause", "no-such-tool").returncode == ERROR
 
     nowhere = f"127.0.0.1:{free_port()}"
     unreachable = genq(nowhere, "status")
-    assert unreachable.returncode == cli.ERROR
+    assert unreachable.returncode == ERROR
     assert "UNAVAILABLE" in unreachable.stderr and nowhere in unreachable.stderr
     # --target wins over GENQ_ADDR.
     assert genq(nowhere, "status", "--target", service.address).returncode == 0
@@ -610,20 +880,77 @@ def test_unknown_task_and_unreachable_service_exit_1(service: ServiceProcess, st
         ["list", "--status", "bogus"],
         ["purge", "--older-than-days", "-1"],
         ["status", "--format", "xml"],
+        ["limit", "provider/model"],
+        ["release-hold"],
+        ["configure", "t", "--clear", "daily-cap"],
+        ["enqueue", "tool", "{}", "--ttl", "1", "--expires-at", "+5"],
+        ["status", "--tls-client-cert-file", "/no/such/cert.pem"],
     ],
 )
 def test_bad_usage_exits_2(args: list[str]) -> None:
     # An address where nothing listens: bad usage is found before any call.
     result = genq(f"127.0.0.1:{free_port()}", *args)
-    assert result.returncode == cli.USAGE, (args, result.stdout, result.stderr)
+    assert result.returncode == USAGE, (args, result.stdout, result.stderr)
     assert "usage: genq" in result.stderr or "error:" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["cap", "99999999999999"], "must be at most 100,000,000 units: 99999999999999"),
+        (["cap", "100000000.000000001"], "must be at most 100,000,000 units"),
+        (["cap", "-1"], "must not be negative: -1 (an amount in currency units, e.g. 2.50)"),
+        (["cap", "0.0000000001"], "at most 9 decimal places"),
+        (["cap", "NaN"], "not an amount in currency units"),
+        (["cap", "--tool", "t", "1e30"], "must be at most 100,000,000 units"),
+        (["enqueue", "t", "{}", "--cost-estimate", "2e8"], "must be at most 100,000,000 units"),
+        (["enqueue", "t", "{}", "--priority", "101"], "must be at most 100: 101"),
+        (["enqueue", "t", "{}", "--priority", "99999999999"], "must be at most 100"),
+        (["enqueue", "t", "{}", "--ttl", "99999999999999999999"], "must be at most 2,147,483,647"),
+        (["enqueue", "t", "{}", "--run-after", "+1e20"], "not an ISO 8601 time"),
+        (["list", "--limit", "1001"], "must be at most 1,000: 1001"),
+        (["settings", "--cooldown-seconds", "9999999999"], "must be at most 2,147,483,647"),
+        (["purge", "--batch-size", "10001"], "must be at most 10,000"),
+        (["audit", "--before-id", "99999999999999999999"], "must be at most"),
+        (["limit", "k", "0"], "must be at least 1: 0"),
+        (["limit", "k", "100001"], "must be at most 100,000: 100001"),
+        (["configure", "t", "--max-in-flight", "-3"], "must be at least 1: -3"),
+        (
+            ["retry", str(uuid.uuid4()), "--reserved-token-amount", "1" + "0" * 19],
+            "must be at most",
+        ),
+    ],
+)
+def test_out_of_range_numbers_are_bad_usage_in_the_units_typed(
+    args: list[str], message: str
+) -> None:
+    result = genq(f"127.0.0.1:{free_port()}", *args)
+    assert result.returncode == USAGE, (args, result.stderr)
+    assert message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and "nanos" not in result.stderr
+
+
+def test_the_cli_bounds_are_the_services() -> None:
+    assert values.MAX_AMOUNT_NANOS == validation.MAX_AMOUNT
+    assert resources.MAX_IN_FLIGHT == rpcs.MAX_IN_FLIGHT
+
+
+def test_a_refused_argument_names_its_code_once(
+    service: ServiceProcess, stub: Stub, tool: Any
+) -> None:
+    # Beyond what the service takes (10 years), within what the field holds: the service says.
+    refused = genq(service, "enqueue", tool.id, "{}", "--ttl", str(20 * 365 * 86_400))
+    assert refused.returncode == ERROR
+    assert refused.stderr.count("INVALID_ARGUMENT") == 1, refused.stderr
+    assert refused.stderr.startswith("genq enqueue: INVALID_ARGUMENT: ttl must be at most")
 
 
 def test_every_command_has_help() -> None:
     top = genq("127.0.0.1:1", "--help")
     assert top.returncode == 0
     assert "exit codes:" in top.stdout and "4  capped" in top.stdout
-    for command in cli.COMMANDS:
+    for command in program.commands():
         result = genq("127.0.0.1:1", command.name, "--help")
         assert result.returncode == 0, command.name
         assert f"usage: genq {command.name}" in result.stdout

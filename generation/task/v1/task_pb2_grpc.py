@@ -454,6 +454,7 @@ class GenerationDataServiceServicer:
         """Deletes up to `batch_size` finished tasks older than the retention (settings.retention_days,
         30; 0 keeps everything), never one whose reservation is not settled yet. Their events go with
         them; the attempts ledger and the settlements keep the money history. Call until it purges 0.
+        With dry_run it counts every task it would delete, in all batches, and deletes none.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -169,6 +169,7 @@ class GenerationDataServiceStub:
     """Deletes up to `batch_size` finished tasks older than the retention (settings.retention_days,
     30; 0 keeps everything), never one whose reservation is not settled yet. Their events go with
     them; the attempts ledger and the settlements keep the money history. Call until it purges 0.
+    With dry_run it counts every task it would delete, in all batches, and deletes none.
     """
     GetStats: _grpc.UnaryUnaryMultiCallable[_task_pb2.GetStatsRequest, _task_pb2.GetStatsResponse]
     """Attempts and cost per local day and tool, from the attempts ledger."""
@@ -342,6 +343,7 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     """Deletes up to `batch_size` finished tasks older than the retention (settings.retention_days,
     30; 0 keeps everything), never one whose reservation is not settled yet. Their events go with
     them; the attempts ledger and the settlements keep the money history. Call until it purges 0.
+    With dry_run it counts every task it would delete, in all batches, and deletes none.
     """
     GetStats: _aio.UnaryUnaryMultiCallable[_task_pb2.GetStatsRequest, _task_pb2.GetStatsResponse]  # type: ignore[assignment]
     """Attempts and cost per local day and tool, from the attempts ledger."""
@@ -668,6 +670,7 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         """Deletes up to `batch_size` finished tasks older than the retention (settings.retention_days,
         30; 0 keeps everything), never one whose reservation is not settled yet. Their events go with
         them; the attempts ledger and the settlements keep the money history. Call until it purges 0.
+        With dry_run it counts every task it would delete, in all batches, and deletes none.
         """
 
     @_abc_1.abstractmethod
