@@ -5,18 +5,13 @@ PY ?= .venv/bin/python
 help: ## List the common commands
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
-install: .venv/.installed .tools/.installed ## Create .venv (the project, its dev tools) and buf (npm)
+install: .venv/.installed ## Create .venv with the project and its dev tools (buf included)
 
-# Python alone: all `make serve` needs.
+# Python alone: pip installs everything, the proto linter too.
 .venv/.installed: pyproject.toml
 	python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
-	touch $@
-
-# The proto linter, for `make lint` and the contract test; the only use of npm.
-.tools/.installed:
-	npm install --silent --no-audit --no-fund --prefix .tools @bufbuild/buf@1.75.0
 	touch $@
 
 proto: .venv/.installed ## Regenerate the Python stubs from proto/
@@ -25,15 +20,15 @@ proto: .venv/.installed ## Regenerate the Python stubs from proto/
 serve: .venv/.installed ## Run the service (embedded Postgres unless DATABASE_URL is set)
 	.venv/bin/genq serve
 
-test: .venv/.installed .tools/.installed ## Run the tests (Postgres on :5432, Redis on :6379, chromium, faketime)
+test: .venv/.installed ## Run the tests (Postgres on :5432, Redis on :6379, chromium, faketime)
 	$(PY) -m pytest
 
-lint: .venv/.installed .tools/.installed ## ruff, mypy, stub drift and buf lint
+lint: .venv/.installed ## ruff, mypy, stub drift and buf lint
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
 	.venv/bin/mypy service workers_sdk tests bench examples proto/build.py
 	$(PY) proto/build.py check
-	.tools/node_modules/.bin/buf lint
+	.venv/bin/buf lint
 
 format: ## Format the code with ruff
 	.venv/bin/ruff format .
