@@ -9,8 +9,9 @@ The handlers ask in this order, inside their one error boundary:
 2. `admit`: the caller holds a role the RPC allows (an operator may call every RPC), else
    PERMISSION_DENIED.
 3. `scope`: a token naming tools reaches only those tools. The request field in `tool_field`
-   says which tool the call acts on; a task id is resolved to its tool with one primary-key
-   query. Ids that name nothing pass: the RPC itself then answers NOT_FOUND, revealing nothing.
+   says which tool the call acts on; a task id is resolved to its tool from the claims this
+   process answered (`learn`), else with one primary-key query. Ids that name nothing pass:
+   the RPC itself then answers NOT_FOUND, revealing nothing.
    An RPC acting on no one tool is open to a restricted token unless its answer holds tasks.
 4. `audit`: the audit row an `audited` RPC writes in its statement's transaction.
 5. `redact`: a caller reaching an RPC only as a viewer gets the tasks in the answer without
@@ -51,6 +52,9 @@ TOKEN_CACHE_SECONDS = 15.0
 revocation reaches every replica within 30 s)."""
 MAX_CACHED = 10_000
 """Tokens and tool names kept; past it the cache starts over (it only saves lookups)."""
+TASK_CACHE = 50_000
+"""Tasks whose tool is remembered, learned from claims: enough for the tasks in flight
+through one process, whose heartbeats and reports then need no lookup."""
 
 ROLE_NAMES = {
     options_pb2.ROLE_GATEWAY: "gateway",
@@ -72,7 +76,7 @@ TOKEN_SQL = (
 # entry no longer than the token has left.
 TOOL_NAMES_SQL = "SELECT id, name FROM generation.tools WHERE id = ANY(%(ids)s::uuid[])"
 TASK_TOOLS_SQL = (
-    "SELECT DISTINCT tl.name FROM generation.tasks t "
+    "SELECT t.id, tl.name FROM generation.tasks t "
     "JOIN generation.tools tl ON tl.id = t.tool_id WHERE t.id = ANY(%(ids)s::uuid[])"
 )
 
@@ -151,6 +155,8 @@ class Guard:
         self.required = settings.auth_required
         self._tokens: dict[uuid.UUID, _Cached] = {}
         self._tool_names: dict[str, str] = {}
+        self._task_tools: dict[str, str] = {}
+        """Task id -> its tool's name, learned from claims and lookups (a task never moves)."""
 
     async def caller(self, context: grpc.aio.ServicerContext, timeout: float | None) -> Caller:
         authorization = [
@@ -239,8 +245,11 @@ class Guard:
         if not ids:
             return set()
         if kind == "task_id":
-            rows = await self.database.fetch(TASK_TOOLS_SQL, {"ids": ids}, timeout=timeout)
-            return {row["name"] for row in rows}
+            unknown = [task_id for task_id in ids if task_id not in self._task_tools]
+            if unknown:
+                rows = await self.database.fetch(TASK_TOOLS_SQL, {"ids": unknown}, timeout=timeout)
+                self._remember({str(row["id"]): row["name"] for row in rows})
+            return {self._task_tools[task_id] for task_id in ids if task_id in self._task_tools}
         unknown = [tool_id for tool_id in ids if tool_id not in self._tool_names]
         if unknown:
             rows = await self.database.fetch(TOOL_NAMES_SQL, {"ids": unknown}, timeout=timeout)
@@ -255,6 +264,23 @@ class Guard:
             return None
         detail = json_format.MessageToDict(request, preserving_proto_field_name=True)
         return tokens.AUDIT_SQL, {"actor": caller.actor, "action": method, "detail": Jsonb(detail)}
+
+    def learn(self, caller: Caller, response: Message) -> None:
+        """Remembers the tool of each task a restricted caller was just handed (a claim's
+        answer), so that its heartbeats and reports need no lookup."""
+        if caller.tools:
+            self._remember(
+                {
+                    task.id: self._tool_names[task.tool_id]
+                    for task in _tasks_in(response)
+                    if task.tool_id in self._tool_names
+                }
+            )
+
+    def _remember(self, tools_of_tasks: dict[str, str]) -> None:
+        if len(self._task_tools) + len(tools_of_tasks) > TASK_CACHE:
+            self._task_tools.clear()
+        self._task_tools.update(tools_of_tasks)
 
     def redact(self, caller: Caller, method: str, response: Message) -> None:
         rule = RULES[method]
@@ -279,17 +305,22 @@ def _is_uuid(value: str) -> bool:
     return True
 
 
-def _clear_task_bodies(message: Message) -> None:
+def _tasks_in(message: Message) -> Iterable[Any]:
+    """Every Task in a message, at any depth."""
     for field, value in message.ListFields():
         if field.message_type is None or not _holds_tasks(field.message_type):
-            continue  # also skips Structs (inputs are maps, not tasks)
-        items: Iterable[Any] = value if field.is_repeated else [value]
-        for item in items:
+            continue
+        for item in value if field.is_repeated else [value]:
             if field.message_type is TASK:
-                item.ClearField("input")
-                item.ClearField("output")
+                yield item
             else:
-                _clear_task_bodies(item)
+                yield from _tasks_in(item)
+
+
+def _clear_task_bodies(message: Message) -> None:
+    for task in _tasks_in(message):  # Structs are skipped: inputs are maps, not tasks
+        task.ClearField("input")
+        task.ClearField("output")
 
 
 def _certificate_actor(context: grpc.aio.ServicerContext) -> str:

@@ -125,6 +125,7 @@ class Handlers:
                 if binding.after is not None:
                     binding.after(self.signals, rows)
                 response = binding.respond(rows)
+                self.guard.learn(caller, response)
                 self.guard.redact(caller, method.name, response)
                 code = grpc.StatusCode.OK
                 return response.SerializeToString()
