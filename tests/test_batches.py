@@ -180,27 +180,35 @@ def test_batches_in_opposite_orders_never_deadlock(
         for _ in range(2):
             queue(stub, tool_id)
         a, b = claim_many(stub, tool_id, 2).tasks
-        start = threading.Barrier(2)
-
-        def report(
-            pair: tuple[task_pb2.ClaimedTask, ...], start: threading.Barrier = start
-        ) -> list[str]:
-            start.wait()
-            answer = stub.CompleteTasks(
-                task_pb2.CompleteTasksRequest(
-                    tasks=[
-                        task_pb2.CompleteTaskRequest(task_id=c.task.id, lease_token=c.lease_token)
-                        for c in pair
-                    ]
-                ),
-                timeout=10,
-            )
-            return [r.refused for r in answer.results]
-
-        with ThreadPoolExecutor(2) as pool:
-            answers = [pool.submit(report, (a, b)), pool.submit(report, (b, a))]
-            assert [f.result() for f in answers] == [["", ""], ["", ""]]
+        assert complete_at_once(stub, (a, b), (b, a)) == [["", ""], ["", ""]]
     assert_invariants(db, tool_id)
+
+
+def complete_at_once(
+    stub: Stub, *batches: tuple[task_pb2.ClaimedTask, ...], cost: int = 0
+) -> list[list[str]]:
+    """Sends each batch as one CompleteTasks, all let go at once; each item's refusal."""
+    start = threading.Barrier(len(batches))
+
+    def report(pair: tuple[task_pb2.ClaimedTask, ...]) -> list[str]:
+        start.wait()
+        answer = stub.CompleteTasks(
+            task_pb2.CompleteTasksRequest(
+                tasks=[
+                    task_pb2.CompleteTaskRequest(
+                        task_id=c.task.id,
+                        lease_token=c.lease_token,
+                        reported_usage=task_pb2.ReportedUsage(cost_nanos=cost),
+                    )
+                    for c in pair
+                ]
+            ),
+            timeout=10,
+        )
+        return [r.refused for r in answer.results]
+
+    with ThreadPoolExecutor(len(batches)) as pool:
+        return [f.result() for f in [pool.submit(report, batch) for batch in batches]]
 
 
 def test_batches_over_two_paid_tools_in_opposite_orders_never_deadlock(
@@ -231,29 +239,6 @@ def test_batches_over_two_paid_tools_in_opposite_orders_never_deadlock(
                 )
             continue
         crossed += 1
-        start = threading.Barrier(2)
-
-        def report(
-            pair: tuple[task_pb2.ClaimedTask, ...], start: threading.Barrier = start
-        ) -> list[str]:
-            start.wait()
-            answer = stub.CompleteTasks(
-                task_pb2.CompleteTasksRequest(
-                    tasks=[
-                        task_pb2.CompleteTaskRequest(
-                            task_id=c.task.id,
-                            lease_token=c.lease_token,
-                            reported_usage=task_pb2.ReportedUsage(cost_nanos=1),
-                        )
-                        for c in pair
-                    ]
-                ),
-                timeout=10,
-            )
-            return [r.refused for r in answer.results]
-
-        with ThreadPoolExecutor(2) as pool:
-            answers = [pool.submit(report, first), pool.submit(report, second)]
-            assert [f.result() for f in answers] == [["", ""], ["", ""]]
+        assert complete_at_once(stub, first, second, cost=1) == [["", ""], ["", ""]]
     for tool in (tool_id, other):
         assert_invariants(db, tool)
