@@ -190,7 +190,7 @@ class Guard:
             cached = _Cached(b"", None, time.monotonic() + lifetime)
         else:
             row = rows[0]
-            if row["expires_in"] is not None:
+            if row["live"] and row["expires_in"] is not None:  # a dead one stays dead: cache it
                 lifetime = max(0.0, min(lifetime, row["expires_in"]))
             note = f" ({row['note']})" if row["note"] else ""
             caller = Caller(
@@ -241,7 +241,9 @@ class Guard:
         ids that are malformed or name nothing add none (the RPC refuses them itself)."""
         if kind == "name":
             return set(values)
-        ids = [value for value in values if _is_uuid(value)]
+        # Canonical form: the caches hold the database's (lower case), and Postgres takes an
+        # id in any case, so "ABCD…" must not miss the cache and pass for an unknown id.
+        ids = [str(uuid.UUID(value)) for value in values if _is_uuid(value)]
         if not ids:
             return set()
         if kind == "task_id":

@@ -19,9 +19,9 @@ from google.protobuf import json_format
 from generation.task.v1 import task_pb2
 from service import housekeeping
 from service.housekeeping import Waits, start_warnings, waits
-from service.rpcs import STATEMENTS
 from service.settings import Settings
 from tests.conftest import ROOT, Databases, ServiceProcess, url_for, wait_for
+from tests.test_metrics import RecordingDatabase
 
 UNIT = 10**9
 
@@ -104,36 +104,37 @@ def test_start_warnings() -> None:
     assert len(off) == 2 and off[0].startswith("the kill switch is off, so nothing will run")
 
 
-class FakeDatabase:
-    """Answers GetStatus's statement with whatever `status` holds now."""
+def test_each_reason_is_said_once_a_minute_and_again_when_it_comes_back(uncapped: str) -> None:
+    with psycopg.connect(uncapped, autocommit=True) as db:
+        db.execute("INSERT INTO generation.tools (name) VALUES ('image-gen')")
+        db.execute(
+            "INSERT INTO generation.tasks (tool_id) "
+            "SELECT id FROM generation.tools WHERE name = 'image-gen'"
+        )
 
-    def __init__(self, answer: task_pb2.Status) -> None:
-        self.answer = answer
-        self.reads = 0
+        async def scenario() -> None:
+            database = RecordingDatabase(uncapped)
+            await database.open()
+            try:
+                watcher = Waits(database, Settings(), check_seconds=0)
+                assert [w.reason for w in await watcher.check()] == ["no_cap"]
+                assert await watcher.check() == [], "said within the minute: not again"
+                db.execute("UPDATE generation.tools SET paused = true")
+                db.execute("UPDATE generation.settings SET daily_cap_nanos = 1")
+                assert [w.reason for w in await watcher.check()] == ["paused"], "new: at once"
+                db.execute("UPDATE generation.tools SET paused = false")
+                db.execute("UPDATE generation.settings SET daily_cap_nanos = NULL")
+                assert [w.reason for w in await watcher.check()] == ["no_cap"], "it came back"
+                reads = len(database.statements)
+                assert reads == 4
+                pacing = Waits(database, Settings())
+                await pacing.check()
+                await pacing.check()
+                assert len(database.statements) == reads + 1, "one read per check interval"
+            finally:
+                await database.close()
 
-    async def fetch(self, sql: str, params: dict[str, Any], **_: Any) -> list[dict[str, Any]]:
-        assert sql == STATEMENTS["GetStatus"]
-        self.reads += 1
-        return [{"status": json_format.MessageToDict(self.answer)}]
-
-
-def test_each_reason_is_said_once_a_minute_and_again_when_it_comes_back() -> None:
-    async def scenario() -> None:
-        database = FakeDatabase(status([tool("image-gen")]))
-        watcher = Waits(database, Settings(), check_seconds=0)
-        assert [w.reason for w in await watcher.check()] == ["no_cap"]
-        assert await watcher.check() == [], "said within the minute: not again"
-        database.answer = status([tool("image-gen", paused=True)], daily_cap_nanos="1")
-        assert [w.reason for w in await watcher.check()] == ["paused"], "a new reason: at once"
-        database.answer = status([tool("image-gen")])
-        assert [w.reason for w in await watcher.check()] == ["no_cap"], "it came back"
-        assert database.reads == 4
-        pacing = Waits(database, Settings())
-        await pacing.check()
-        await pacing.check()
-        assert database.reads == 5, "one read per check interval"
-
-    asyncio.run(scenario())
+        asyncio.run(scenario())
 
 
 @pytest.fixture

@@ -153,7 +153,30 @@ def key_cooling(db: Db, stub: Stub, tool_id: str) -> Callable[[], object]:
     )
 
 
-WAITS = [no_cap, cap_reached, switch_off, switch_off_by_a_replica, paused, group_held, key_cooling]
+def busy(db: Db, stub: Stub, tool_id: str) -> Callable[[], object]:
+    """The tool at its max_in_flight: its worker's lanes are full, so it asks for nothing until
+    the run ends (a run with a live lease, started before the task waited)."""
+    stub.ConfigureTool(task_pb2.ConfigureToolRequest(tool_id=tool_id, max_in_flight=1))
+    running = db.execute(
+        "INSERT INTO generation.tasks (tool_id, status, lease_token, claim_expires_at, queued_at) "
+        "VALUES (%s, 'processing', gen_random_uuid(), now() + interval '1 hour', "
+        "now() - interval '2 hours') RETURNING id",
+        [tool_id],
+    ).fetchone()
+    assert running is not None
+    return lambda: db.execute("DELETE FROM generation.tasks WHERE id = %s", [running["id"]])
+
+
+WAITS = [
+    no_cap,
+    cap_reached,
+    switch_off,
+    switch_off_by_a_replica,
+    paused,
+    group_held,
+    key_cooling,
+    busy,
+]
 
 
 @pytest.mark.parametrize("hold", WAITS, ids=[w.__name__ for w in WAITS])

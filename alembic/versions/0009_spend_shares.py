@@ -184,6 +184,9 @@ AS $$
                 CASE WHEN tool.spent_day = sp.today THEN tool.reserved_nanos ELSE 0 END,
                 COALESCE(t.cost_estimate_nanos, tool.cost_estimate_nanos),
                 tool.daily_cap_nanos) THEN NULL
+        WHEN EXISTS (SELECT 1 FROM generation.tasks AS q
+                     WHERE q.tool_id = t.tool_id AND q.status = 'processing'
+                       AND q.claim_expires_at > now()) THEN NULL
         ELSE 'abandoned'
     END
     FROM generation.settings AS s, generation.spend_today AS sp,
@@ -969,6 +972,32 @@ BEGIN
         WHERE a.outcome = 'running' AND a.estimate_nanos > 0
            OR COALESCE((x ->> 'cost_nanos')::bigint, 0) > 0)
     ORDER BY tl.id
+    FOR NO KEY UPDATE;
+    -- A cost above what its run reserved may grow the total of grants (close_attempt_v2): then
+    -- settings comes before the cooldowns, as in one close.
+    PERFORM 1 FROM generation.settings
+    WHERE EXISTS (
+        SELECT 1 FROM jsonb_array_elements(p_items) AS x
+        JOIN generation.attempts AS a
+          ON a.task_id = (x ->> 'task_id')::uuid AND a.lease_token = (x ->> 'lease_token')::uuid
+        WHERE COALESCE((x ->> 'cost_nanos')::bigint, 0)
+              > CASE WHEN a.outcome = 'running' THEN a.estimate_nanos ELSE 0 END)
+    FOR NO KEY UPDATE;
+    PERFORM 1 FROM generation.cooldowns AS c
+    WHERE c.resource_key IN (
+        SELECT COALESCE(x ->> 'resource_key', a.resource_key)
+        FROM jsonb_array_elements(p_items) AS x
+        JOIN generation.attempts AS a
+          ON a.task_id = (x ->> 'task_id')::uuid AND a.lease_token = (x ->> 'lease_token')::uuid)
+    ORDER BY c.resource_key
+    FOR NO KEY UPDATE;
+    PERFORM 1 FROM generation.holds AS h
+    WHERE h.account_group IN (
+        SELECT a.account_group
+        FROM jsonb_array_elements(p_items) AS x
+        JOIN generation.attempts AS a
+          ON a.task_id = (x ->> 'task_id')::uuid AND a.lease_token = (x ->> 'lease_token')::uuid)
+    ORDER BY h.account_group
     FOR NO KEY UPDATE;
 END
 $$;

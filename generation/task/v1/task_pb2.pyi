@@ -758,7 +758,8 @@ class QueueTaskResponse(_message.Message):
     CREATED_FIELD_NUMBER: _builtins.int
     created: _builtins.bool
     """False when the idempotency key named a task an earlier enqueue made (answered as it is, or
-    requeued by REQUEUE).
+    requeued by REQUEUE); so also for the retry of an enqueue whose answer was lost, though that
+    caller's first call made it.
     """
     @_builtins.property
     def task(self) -> Global___Task: ...

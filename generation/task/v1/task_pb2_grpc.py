@@ -280,7 +280,8 @@ class GenerationDataServiceServicer:
         """Marks a held task completed with its output and the usage reported for settlement (or
         cancelled, when a cancel was asked for while it ran), closes the run's attempt with its cost
         (kept even when the lease was lost) and appends the terminal event. The same lease
-        completing again (a retry after a lost answer, or two calls at once) gets the same task back.
+        completing again (a retry after a lost answer, or two calls at once) changes nothing and gets
+        the task as it is now.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -301,7 +302,9 @@ class GenerationDataServiceServicer:
 
     def ClaimTasks(self, request, context):
         """Claims up to `limit` tasks of a tool in one call (generation.claim_tasks_v2): in claim order,
-        spend admitted task by task, stopping at the first the caps have no room for. `wait` as in
+        spend admitted task by task, stopping at the first the caps have no room for, or when the
+        tool is at its max_in_flight; tasks whose resource key is at its limit are passed over
+        (IDLE_REASON_BUSY when that leaves nothing). `wait` as in
         ClaimNextTask: with nothing to claim it parks until a task is committed or the wait runs
         out. Each task has its own lease token; they share the lease length.
         """
@@ -387,7 +390,8 @@ class GenerationDataServiceServicer:
     def UpdateSettings(self, request, context):
         """Changes the global settings: the kill switch, the daily cap, the local day's time zone,
         cooldowns, holds, retention, what "stale" means. Fields left unset keep their value. Spend
-        never drops by a change (a new time zone moves today's counters to its date).
+        never drops by a change (a new time zone moves today's runs to its date, whose spend is then
+        counted anew from the attempts ledger).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

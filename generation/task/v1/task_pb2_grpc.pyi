@@ -78,7 +78,8 @@ class GenerationDataServiceStub:
     """Marks a held task completed with its output and the usage reported for settlement (or
     cancelled, when a cancel was asked for while it ran), closes the run's attempt with its cost
     (kept even when the lease was lost) and appends the terminal event. The same lease
-    completing again (a retry after a lost answer, or two calls at once) gets the same task back.
+    completing again (a retry after a lost answer, or two calls at once) changes nothing and gets
+    the task as it is now.
     """
     FailTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.FailTaskRequest, _task_pb2.FailTaskResponse]
     """Fails a held task (generation.fail_task_v2): retryable requeues it with full-jitter backoff
@@ -91,7 +92,9 @@ class GenerationDataServiceStub:
     """
     ClaimTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.ClaimTasksRequest, _task_pb2.ClaimTasksResponse]
     """Claims up to `limit` tasks of a tool in one call (generation.claim_tasks_v2): in claim order,
-    spend admitted task by task, stopping at the first the caps have no room for. `wait` as in
+    spend admitted task by task, stopping at the first the caps have no room for, or when the
+    tool is at its max_in_flight; tasks whose resource key is at its limit are passed over
+    (IDLE_REASON_BUSY when that leaves nothing). `wait` as in
     ClaimNextTask: with nothing to claim it parks until a task is committed or the wait runs
     out. Each task has its own lease token; they share the lease length.
     """
@@ -136,7 +139,8 @@ class GenerationDataServiceStub:
     UpdateSettings: _grpc.UnaryUnaryMultiCallable[_task_pb2.UpdateSettingsRequest, _task_pb2.UpdateSettingsResponse]
     """Changes the global settings: the kill switch, the daily cap, the local day's time zone,
     cooldowns, holds, retention, what "stale" means. Fields left unset keep their value. Spend
-    never drops by a change (a new time zone moves today's counters to its date).
+    never drops by a change (a new time zone moves today's runs to its date, whose spend is then
+    counted anew from the attempts ledger).
     """
     GetSettings: _grpc.UnaryUnaryMultiCallable[_task_pb2.GetSettingsRequest, _task_pb2.GetSettingsResponse]
     """Reads the global settings and today's spend; the overrides are this replica's environment
@@ -252,7 +256,8 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     """Marks a held task completed with its output and the usage reported for settlement (or
     cancelled, when a cancel was asked for while it ran), closes the run's attempt with its cost
     (kept even when the lease was lost) and appends the terminal event. The same lease
-    completing again (a retry after a lost answer, or two calls at once) gets the same task back.
+    completing again (a retry after a lost answer, or two calls at once) changes nothing and gets
+    the task as it is now.
     """
     FailTask: _aio.UnaryUnaryMultiCallable[_task_pb2.FailTaskRequest, _task_pb2.FailTaskResponse]  # type: ignore[assignment]
     """Fails a held task (generation.fail_task_v2): retryable requeues it with full-jitter backoff
@@ -265,7 +270,9 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     """
     ClaimTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.ClaimTasksRequest, _task_pb2.ClaimTasksResponse]  # type: ignore[assignment]
     """Claims up to `limit` tasks of a tool in one call (generation.claim_tasks_v2): in claim order,
-    spend admitted task by task, stopping at the first the caps have no room for. `wait` as in
+    spend admitted task by task, stopping at the first the caps have no room for, or when the
+    tool is at its max_in_flight; tasks whose resource key is at its limit are passed over
+    (IDLE_REASON_BUSY when that leaves nothing). `wait` as in
     ClaimNextTask: with nothing to claim it parks until a task is committed or the wait runs
     out. Each task has its own lease token; they share the lease length.
     """
@@ -310,7 +317,8 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     UpdateSettings: _aio.UnaryUnaryMultiCallable[_task_pb2.UpdateSettingsRequest, _task_pb2.UpdateSettingsResponse]  # type: ignore[assignment]
     """Changes the global settings: the kill switch, the daily cap, the local day's time zone,
     cooldowns, holds, retention, what "stale" means. Fields left unset keep their value. Spend
-    never drops by a change (a new time zone moves today's counters to its date).
+    never drops by a change (a new time zone moves today's runs to its date, whose spend is then
+    counted anew from the attempts ledger).
     """
     GetSettings: _aio.UnaryUnaryMultiCallable[_task_pb2.GetSettingsRequest, _task_pb2.GetSettingsResponse]  # type: ignore[assignment]
     """Reads the global settings and today's spend; the overrides are this replica's environment
@@ -459,7 +467,8 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         """Marks a held task completed with its output and the usage reported for settlement (or
         cancelled, when a cancel was asked for while it ran), closes the run's attempt with its cost
         (kept even when the lease was lost) and appends the terminal event. The same lease
-        completing again (a retry after a lost answer, or two calls at once) gets the same task back.
+        completing again (a retry after a lost answer, or two calls at once) changes nothing and gets
+        the task as it is now.
         """
 
     @_abc_1.abstractmethod
@@ -484,7 +493,9 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.ClaimTasksResponse, _abc.Awaitable[_task_pb2.ClaimTasksResponse]]:
         """Claims up to `limit` tasks of a tool in one call (generation.claim_tasks_v2): in claim order,
-        spend admitted task by task, stopping at the first the caps have no room for. `wait` as in
+        spend admitted task by task, stopping at the first the caps have no room for, or when the
+        tool is at its max_in_flight; tasks whose resource key is at its limit are passed over
+        (IDLE_REASON_BUSY when that leaves nothing). `wait` as in
         ClaimNextTask: with nothing to claim it parks until a task is committed or the wait runs
         out. Each task has its own lease token; they share the lease length.
         """
@@ -589,7 +600,8 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_task_pb2.UpdateSettingsResponse, _abc.Awaitable[_task_pb2.UpdateSettingsResponse]]:
         """Changes the global settings: the kill switch, the daily cap, the local day's time zone,
         cooldowns, holds, retention, what "stale" means. Fields left unset keep their value. Spend
-        never drops by a change (a new time zone moves today's counters to its date).
+        never drops by a change (a new time zone moves today's runs to its date, whose spend is then
+        counted anew from the attempts ledger).
         """
 
     @_abc_1.abstractmethod

@@ -367,7 +367,9 @@ $$;
 -- A queued task is abandoned only when nothing deliberate holds it now (switch, cap, pause) and
 -- it could have run for queued_max_age with no worker asking for its tool's work: the wait
 -- counts from the latest of its queueing, its run_after, a change of the gates, the end of a
--- cooldown or hold, the start of the local day (a new day's cap), and the last claim call.
+-- cooldown or hold, the start of the local day (a new day's cap), and the last claim call. A
+-- tool with a live lease has a worker: one whose lanes are full (at max_in_flight, say) asks
+-- for no more work until a run ends, and its queue is waiting, not abandoned.
 CREATE FUNCTION generation.stale_reason_v2(t generation.tasks) RETURNS text
 LANGUAGE sql STABLE
 AS $$
@@ -399,6 +401,9 @@ AS $$
                 CASE WHEN tool.spent_day = sp.today THEN tool.reserved_nanos ELSE 0 END,
                 COALESCE(t.cost_estimate_nanos, tool.cost_estimate_nanos),
                 tool.daily_cap_nanos) THEN NULL
+        WHEN EXISTS (SELECT 1 FROM generation.tasks AS q
+                     WHERE q.tool_id = t.tool_id AND q.status = 'processing'
+                       AND q.claim_expires_at > now()) THEN NULL
         ELSE 'abandoned'
     END
     FROM generation.settings AS s, generation.spend_today AS sp,
@@ -967,8 +972,9 @@ $$;
 
 -- Ends a held run with its output: `completed`, or `cancelled` when a cancel was asked for while
 -- it ran (its cost is kept either way). The same lease completing again (a retry after a lost
--- answer, or a second call racing the first) gets the same task back with nothing changed; any
--- other caller whose lease is gone changes nothing but its attempt's cost.
+-- answer, or a second call racing the first) changes nothing and gets the task as it is now
+-- (settled, say, or queued again by a REQUEUE); any other caller whose lease is gone changes
+-- nothing but its attempt's cost.
 CREATE FUNCTION generation.complete_task_v2(
     p_task uuid, p_token uuid, p_output jsonb, p_usage jsonb, p_cost bigint, p_resource_key text
 ) RETURNS TABLE (task_found boolean, task generation.tasks, event jsonb)
@@ -1139,11 +1145,14 @@ BEGIN
 END
 $$;
 
--- Locks what a batch of reports (CompleteTasks, FailTasks) may change, each kind in id order and
--- in the lock order: the tasks, their attempts under the reported leases, and the tools money
--- moves on (a reservation to release or a cost to add). The items' transitions then find their
--- rows held, so two batches over the same tools, or a batch and the rescuer, never wait on each
--- other in a cycle. p_items: [{task_id, lease_token, cost_nanos}, ...].
+-- Locks what a batch of reports (CompleteTasks, FailTasks) may change, each kind in key order and
+-- in the lock order: the tasks, their attempts under the reported leases, the tools money moves
+-- on (a reservation to release or a cost to add), then the existing cooldown and hold rows of
+-- the runs' keys and groups (settings before them when a cost may grow the grants). The items'
+-- transitions then find those rows held, so two batches over the same tools or keys, or a batch
+-- and the rescuer, do not wait on each other in a cycle (two first failures of one new key
+-- still insert it one after the other).
+-- p_items: [{task_id, lease_token, cost_nanos, resource_key}, ...].
 CREATE FUNCTION generation.lock_reported_v1(p_items jsonb) RETURNS void
 LANGUAGE plpgsql
 AS $$
@@ -1167,6 +1176,32 @@ BEGIN
         WHERE a.outcome = 'running' AND a.estimate_nanos > 0
            OR COALESCE((x ->> 'cost_nanos')::bigint, 0) > 0)
     ORDER BY tl.id
+    FOR NO KEY UPDATE;
+    -- A cost above what its run reserved may grow the total of grants (close_attempt_v2): then
+    -- settings comes before the cooldowns, as in one close.
+    PERFORM 1 FROM generation.settings
+    WHERE EXISTS (
+        SELECT 1 FROM jsonb_array_elements(p_items) AS x
+        JOIN generation.attempts AS a
+          ON a.task_id = (x ->> 'task_id')::uuid AND a.lease_token = (x ->> 'lease_token')::uuid
+        WHERE COALESCE((x ->> 'cost_nanos')::bigint, 0)
+              > CASE WHEN a.outcome = 'running' THEN a.estimate_nanos ELSE 0 END)
+    FOR NO KEY UPDATE;
+    PERFORM 1 FROM generation.cooldowns AS c
+    WHERE c.resource_key IN (
+        SELECT COALESCE(x ->> 'resource_key', a.resource_key)
+        FROM jsonb_array_elements(p_items) AS x
+        JOIN generation.attempts AS a
+          ON a.task_id = (x ->> 'task_id')::uuid AND a.lease_token = (x ->> 'lease_token')::uuid)
+    ORDER BY c.resource_key
+    FOR NO KEY UPDATE;
+    PERFORM 1 FROM generation.holds AS h
+    WHERE h.account_group IN (
+        SELECT a.account_group
+        FROM jsonb_array_elements(p_items) AS x
+        JOIN generation.attempts AS a
+          ON a.task_id = (x ->> 'task_id')::uuid AND a.lease_token = (x ->> 'lease_token')::uuid)
+    ORDER BY h.account_group
     FOR NO KEY UPDATE;
 END
 $$;
