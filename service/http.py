@@ -42,7 +42,7 @@ from google.protobuf import json_format
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from generation.task.v1 import task_pb2
-from service.auth import RULES, Caller, Guard, bearer
+from service.auth import RULES, Caller, Guard, anonymous, bearer
 from service.database import Database
 from service.errors import ServiceError, Unauthenticated
 from service.metrics import Metrics
@@ -256,10 +256,12 @@ class StatusServer:
                 HTTPStatus.UNAUTHORIZED, str(error), {"WWW-Authenticate": 'Bearer realm="genq"'}
             )
         if not caller.roles & RULES["GetStatus"].roles:
-            message = "this token's roles may not read the status (viewer or operator may)"
+            readers = " or ".join(sorted(RULES["GetStatus"].roles))
+            message = f"this token's roles may not read the status ({readers} may)"
             if page:
                 return _login_form(HTTPStatus.FORBIDDEN, message)
             return _text(HTTPStatus.FORBIDDEN, message)
+        request["caller"] = caller
         return None
 
     async def _log_in(self, request: web.Request) -> web.Response:
@@ -287,9 +289,17 @@ class StatusServer:
         return response
 
     async def _page(self, request: web.Request) -> web.Response:
+        # The page shows the stale tasks and the audit log only to a caller who may read them
+        # over gRPC too (their RPCs' roles; a token restricted to tools reads neither: both
+        # span every tool).
+        caller: Caller = request.get("caller") or anonymous()
         response = await read_status(self.database, self.settings)
-        stale = await read_stale(self.database, self.settings, STALE_SHOWN)
-        audit = await read_audit(self.database, self.settings, AUDIT_SHOWN)
+        stale: Sequence[task_pb2.StaleTask] = ()
+        audit: Sequence[task_pb2.AuditEntry] | None = None  # None: no such section
+        if _may_read(caller, "ListStaleTasks"):
+            stale = await read_stale(self.database, self.settings, STALE_SHOWN)
+        if _may_read(caller, "ListAuditEntries"):
+            audit = await read_audit(self.database, self.settings, AUDIT_SHOWN)
         now = response.status.as_of.ToDatetime(tzinfo=UTC)  # the database's clock, as the rows'
         page = render_page(response.status, now, stale, audit)
         return _html(HTTPStatus.OK, page, PAGE_POLICY)
@@ -370,11 +380,15 @@ class Chart:
     """(label, x) under the axis."""
 
 
+def _may_read(caller: Caller, method: str) -> bool:
+    return bool(caller.roles & RULES[method].roles) and not caller.tools
+
+
 def render_page(
     status: task_pb2.Status,
     now: datetime,
     stale: Sequence[task_pb2.StaleTask] = (),
-    audit: Sequence[task_pb2.AuditEntry] = (),
+    audit: Sequence[task_pb2.AuditEntry] | None = (),
 ) -> str:
     zone = _zone(status.settings.timezone)
 

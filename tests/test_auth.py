@@ -519,6 +519,10 @@ def test_the_page_and_metrics_need_a_token(secured: Secured) -> None:
     assert viewer not in headers["Location"]
     status, _, page = http_get(port, "/", {"Cookie": cookie.split(";")[0]})
     assert status == 200 and b'id="audit"' in page
+    # A gateway reads the status but not the audit log (ListAuditEntries): nor on the page.
+    gateway = {"Authorization": f"Bearer {secured.token('gateway')}"}
+    status, _, page = http_get(port, "/", gateway)
+    assert status == 200 and b'id="audit"' not in page
     # A login posted from another site is refused.
     foreign = {**form, "Origin": "https://evil.example"}
     assert (
