@@ -69,19 +69,25 @@ def configure(settings: Settings, *, child: bool = False) -> None:
 
 
 class _Keep(logging.Handler):
+    """Keeps the chatter; a warning or worse is never held back (a start that works may still
+    have something to say that an operator must read)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.records: list[logging.LogRecord] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
+        if record.levelno >= logging.WARNING:
+            logging.getLogger().handle(record)
+        else:
+            self.records.append(record)
 
 
 @contextmanager
 def held_back(what: str, *loggers: str) -> Iterator[None]:
-    """Holds back the records of `loggers` (and their children) while the block runs: dropped
-    if it succeeds, logged as one ERROR record (on the first logger) if it raises. At debug
-    level nothing is held back."""
+    """Holds back the records below WARNING of `loggers` (and their children) while the block
+    runs: dropped if it succeeds, logged as one ERROR record (on the first logger) if it raises.
+    At debug level nothing is held back."""
     if logging.getLogger().getEffectiveLevel() <= logging.DEBUG:
         yield
         return
