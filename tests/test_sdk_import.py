@@ -139,3 +139,15 @@ def test_the_service_commands_stand_ins_match_the_service() -> None:
     from service import cli
 
     assert [command.name for command in cli.COMMANDS] == list(program.SERVICE_COMMANDS)
+
+
+def test_credentials_refuse_a_key_alone_and_let_a_given_token_win(tmp_path: Path) -> None:
+    """A client key without its certificate would have left the link in plaintext, token and
+    all; and a token given as an argument needs no GENQ_TOKEN_FILE."""
+    from workers_sdk.client import Credentials
+
+    alone = Credentials(client_key_file=str(tmp_path / "client.key"))
+    with pytest.raises(ValueError, match="go together"):
+        alone.channel("127.0.0.1:1")
+    missing = {"GENQ_TOKEN_FILE": str(tmp_path / "no-such-file")}
+    assert Credentials.from_env(missing, token="genq_a_b").token == "genq_a_b"

@@ -49,7 +49,7 @@ class Credentials:
     def from_env(cls, env: Mapping[str, str] | None = None, **given: str | None) -> Credentials:
         """From the environment; a value in `given` (not None) wins over its variable."""
         env = os.environ if env is None else env
-        token = env.get("GENQ_TOKEN") or None
+        token = given.get("token") or env.get("GENQ_TOKEN") or None
         if token is None and env.get("GENQ_TOKEN_FILE"):
             token = Path(env["GENQ_TOKEN_FILE"]).read_text().strip()
         found = cls(
@@ -65,10 +65,14 @@ class Credentials:
         return bool(self.ca_file or self.client_cert_file)
 
     def channel(self, target: str) -> grpc.aio.Channel:
+        # Checked before TLS is decided: a key alone must not leave the link in plaintext.
+        if bool(self.client_cert_file) != bool(self.client_key_file):
+            raise ValueError(
+                "a client certificate and its key go together "
+                "(GENQ_TLS_CLIENT_CERT_FILE, GENQ_TLS_CLIENT_KEY_FILE)"
+            )
         if not self.tls:
             return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
-        if bool(self.client_cert_file) != bool(self.client_key_file):
-            raise ValueError("a client certificate needs its key (GENQ_TLS_CLIENT_KEY_FILE)")
         return grpc.aio.secure_channel(
             target,
             grpc.ssl_channel_credentials(
