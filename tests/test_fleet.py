@@ -919,7 +919,7 @@ def test_a_lone_report_leaves_within_report_delay(
         for (method, _), at in zip(client.calls, client.sent, strict=True)
         if method == "CompleteTask"
     ]
-    assert delay <= reported - handler_returned < delay + 0.1
+    assert delay <= reported - handler_returned < delay + 0.5  # slack for a loaded machine
     if delay == fleet_module.DEFAULT_REPORT_DELAY:
         # Wake, claim, confirm, handler, complete: a few round trips, nowhere near a second.
         assert done - sent < 1.0
@@ -948,17 +948,22 @@ def test_a_lease_lost_in_a_batch_reaches_only_its_task(
     tool_id = service.stub.UpsertTool(task_pb2.UpsertToolRequest(name=name)).tool.id
     tasks = [queue(service.stub, tool_id, input={"n": n}) for n in range(3)]
     with running(fleet):
+        [client] = counting
         wait_for(lambda: len(started) == 3, what="the three handlers to start")
+        before = len(client.calls)
         db.execute(
             "UPDATE generation.tasks SET lease_token = gen_random_uuid() WHERE id = %s", [tasks[1]]
         )
         wait_for(lambda: started[1].is_lease_lost, what="the stolen task to see its lease lost")
-        time.sleep(0.4)  # another beat of the other two, in a batch without the stolen one
+        assert ("HeartbeatTasks", 3) in client.calls[before:], "the refusal came in a batch"
+        wait_for(
+            lambda: ("HeartbeatTasks", 2) in client.calls[before:],
+            what="a beat of the other two, in a batch without the stolen one",
+        )
         assert [started[n].is_lease_lost for n in range(3)] == [False, True, False]
         release.set()
         wait_for(lambda: terminal(db, tasks[0], tasks[2]), what="the other two to complete")
         wait_for(lambda: fleet.in_flight[name] == 0, what="the fleet to let the tasks go")
-    [client] = counting
     assert lost == {0: False, 1: True, 2: False}
     completed_once(db, [tasks[0], tasks[2]])
     stolen = row(db, tasks[1])
@@ -1129,8 +1134,8 @@ def test_a_batch_is_held_at_most_report_delay() -> None:
     first, alone = asyncio.run(main())
     (batch, items, sent), (single, one, sent_alone) = client.calls
     assert (batch, items, single, one) == ("HeartbeatTasks", 3, "HeartbeatTask", 1)
-    assert delay <= sent - first < delay + 0.1
-    assert delay <= sent_alone - alone < delay + 0.1
+    assert delay <= sent - first < delay + 0.5  # slack for a loaded machine
+    assert delay <= sent_alone - alone < delay + 0.5
 
 
 class OldServiceClient(ScriptedClient):
