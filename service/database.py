@@ -105,7 +105,10 @@ class Database:
         """Runs one statement; a database failure comes out as a ServiceError when it means one.
 
         `then`, a second statement and its parameters (an audit row), runs after it in the same
-        transaction: both commit or neither does. The rows are the first statement's.
+        transaction: both commit or neither does. The rows are the first statement's. A bound
+        that passes after the commit loses the answer but not the change: the caller's retry
+        runs the statement again (each transition answers its own retry) and writes a second
+        audit row, for a second call.
 
         The whole call, the wait for a pool connection and the statement, takes at most `timeout`
         seconds (the caller's remaining deadline) and never more than `default_timeout`; the wait

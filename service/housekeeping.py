@@ -315,7 +315,7 @@ class Wait:
         return f"{tasks} ({tools}) wait: {self.why}; {self.fix}"
 
 
-def _cap(settings: task_pb2.Settings) -> int | None:
+def cap_in_force(settings: task_pb2.Settings) -> int | None:
     """The global cap in force, as the claim reads it (gates_v1): an override replaces it."""
     if settings.HasField("cap_override_nanos"):
         return settings.cap_override_nanos
@@ -336,7 +336,7 @@ def _switch(settings: task_pb2.Settings) -> tuple[str, str] | None:
 
 def _no_cap(settings: task_pb2.Settings) -> tuple[str, str, str] | None:
     """(reason, why, fix) when the global cap lets nothing run at all; None otherwise."""
-    cap = _cap(settings)
+    cap = cap_in_force(settings)
     if cap is None:
         return (
             "no_cap",
@@ -372,7 +372,7 @@ def waits(status: task_pb2.Status) -> list[Wait]:
     today's spend and reservations reached it; a smaller room than a task's estimate also
     holds that task, which this does not see (the claim's idle reason does)."""
     settings = status.settings
-    cap = _cap(settings)
+    cap = cap_in_force(settings)
     currency = settings.currency
     # Reason -> (why, the fixes: one for all, or one per tool, the tools).
     held: dict[str, tuple[str, list[str], list[task_pb2.ToolStatus]]] = {}

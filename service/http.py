@@ -45,6 +45,7 @@ from generation.task.v1 import task_pb2
 from service.auth import RULES, Caller, Guard, anonymous, bearer
 from service.database import Database
 from service.errors import ServiceError, Unauthenticated
+from service.housekeeping import cap_in_force
 from service.metrics import Metrics
 from service.rpcs import BINDINGS, STATEMENTS
 from service.settings import Settings
@@ -405,7 +406,7 @@ def render_page(
         now=clock(now),
         refresh=REFRESH_SECONDS,
         banners=banners(status, stale, zone),
-        cap=_cap(status.settings),
+        cap=(cap_in_force(status.settings) or 0),
         cap_source=(
             "GENQ_DAILY_CAP_NANOS" if status.settings.HasField("cap_override_nanos") else "stored"
         ),
@@ -438,7 +439,7 @@ def banners(
         )
     elif not settings.enabled:
         found.append(Banner("Disabled: the kill switch is off; nothing runs.", "genq resume"))
-    cap = _cap(settings)
+    cap = cap_in_force(settings) or 0
     if not cap:
         found.append(
             Banner(
@@ -598,13 +599,6 @@ def _nice_ceiling(value: int) -> int:
 
 
 # --- formatting -----------------------------------------------------------------------------------
-
-
-def _cap(settings: task_pb2.Settings) -> int:
-    """The global cap in force (the environment's, else the stored one); 0 when none."""
-    if settings.HasField("cap_override_nanos"):
-        return settings.cap_override_nanos
-    return settings.daily_cap_nanos if settings.HasField("daily_cap_nanos") else 0
 
 
 def _tool_capped(tool: task_pb2.ToolStatus) -> bool:
