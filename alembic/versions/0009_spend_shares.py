@@ -109,6 +109,15 @@ FROM generation.settings AS s
 LEFT JOIN generation.tools AS t ON t.spent_day = (now() AT TIME ZONE s.timezone)::date
 GROUP BY s.timezone;
 
+CREATE FUNCTION generation.key_running_v1(p_key text, p_limit integer) RETURNS bigint
+LANGUAGE sql STABLE
+AS $$
+    SELECT count(*) FROM (
+        SELECT 1 FROM generation.attempts AS a
+        WHERE a.resource_key = p_key AND a.outcome = 'running'
+        LIMIT p_limit) AS running
+$$;
+
 CREATE FUNCTION generation.grant_share_v1(p_tool uuid, p_today date, p_need bigint, p_cap bigint)
 RETURNS TABLE (share_change bigint, granted bigint)
 LANGUAGE plpgsql
@@ -418,10 +427,7 @@ BEGIN
     -- and again under lock in step 3; each count stops at the limit).
     SELECT COALESCE(array_agg(l.resource_key), '{}') INTO full_keys
     FROM generation.resource_limits AS l
-    WHERE (SELECT count(*) FROM (
-               SELECT 1 FROM generation.attempts AS a
-               WHERE a.resource_key = l.resource_key AND a.outcome = 'running'
-               LIMIT l.max_in_flight) AS running) >= l.max_in_flight;
+    WHERE generation.key_running_v1(l.resource_key, l.max_in_flight) >= l.max_in_flight;
     tool_busy := default_key = ANY (full_keys) OR CASE WHEN tool.max_in_flight IS NULL THEN false
         ELSE tool.max_in_flight <= (
             SELECT count(*) FROM (
@@ -464,11 +470,9 @@ BEGIN
         ORDER BY l.resource_key
         FOR NO KEY UPDATE;
         FOR limits IN
-            SELECT l.resource_key, l.max_in_flight - (
-                       SELECT count(*) FROM (
-                           SELECT 1 FROM generation.attempts AS a
-                           WHERE a.resource_key = l.resource_key AND a.outcome = 'running'
-                           LIMIT l.max_in_flight) AS running) AS room
+            SELECT l.resource_key,
+                   l.max_in_flight - generation.key_running_v1(l.resource_key, l.max_in_flight)
+                       AS room
             FROM generation.resource_limits AS l
             WHERE l.resource_key = ANY (keys)
         LOOP
@@ -1044,6 +1048,7 @@ DROP FUNCTION generation.fail_tasks_v1;
 DROP FUNCTION generation.complete_tasks_v1;
 DROP FUNCTION generation.lock_reported_v1;
 DROP FUNCTION generation.grant_share_v1;
+DROP FUNCTION generation.key_running_v1;
 DROP FUNCTION generation.stale_reason_v2;
 DROP FUNCTION generation.close_attempt_v2;
 DROP FUNCTION generation.hand_back_unconfirmed_v2;

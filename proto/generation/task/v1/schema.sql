@@ -609,6 +609,18 @@ BEGIN
 END
 $$;
 
+-- How many runs of a resource key are in flight (attempts_running_idx), counted up to p_limit:
+-- the count stops at the limit, so it costs the limit's, never the backlog's. The one count the
+-- claim and GetStatus use for a key's concurrency limit.
+CREATE FUNCTION generation.key_running_v1(p_key text, p_limit integer) RETURNS bigint
+LANGUAGE sql STABLE
+AS $$
+    SELECT count(*) FROM (
+        SELECT 1 FROM generation.attempts AS a
+        WHERE a.resource_key = p_key AND a.outcome = 'running'
+        LIMIT p_limit) AS running
+$$;
+
 -- Grants a tool more of today's global cap: the shortfall p_need (negative when a lowered cap
 -- takes back the tool's own unused share) and a sixteenth of what stays free, so that the tool's
 -- next claims find room in their own row. When the free part is short, the unused parts of the
@@ -732,10 +744,7 @@ BEGIN
     -- and again under lock in step 3; each count stops at the limit).
     SELECT COALESCE(array_agg(l.resource_key), '{}') INTO full_keys
     FROM generation.resource_limits AS l
-    WHERE (SELECT count(*) FROM (
-               SELECT 1 FROM generation.attempts AS a
-               WHERE a.resource_key = l.resource_key AND a.outcome = 'running'
-               LIMIT l.max_in_flight) AS running) >= l.max_in_flight;
+    WHERE generation.key_running_v1(l.resource_key, l.max_in_flight) >= l.max_in_flight;
     tool_busy := default_key = ANY (full_keys) OR CASE WHEN tool.max_in_flight IS NULL THEN false
         ELSE tool.max_in_flight <= (
             SELECT count(*) FROM (
@@ -778,11 +787,9 @@ BEGIN
         ORDER BY l.resource_key
         FOR NO KEY UPDATE;
         FOR limits IN
-            SELECT l.resource_key, l.max_in_flight - (
-                       SELECT count(*) FROM (
-                           SELECT 1 FROM generation.attempts AS a
-                           WHERE a.resource_key = l.resource_key AND a.outcome = 'running'
-                           LIMIT l.max_in_flight) AS running) AS room
+            SELECT l.resource_key,
+                   l.max_in_flight - generation.key_running_v1(l.resource_key, l.max_in_flight)
+                       AS room
             FROM generation.resource_limits AS l
             WHERE l.resource_key = ANY (keys)
         LOOP
