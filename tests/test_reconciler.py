@@ -183,9 +183,11 @@ async def failed(client: GenqClient, tool_id: str, reserved: int) -> str:
 def test_a_sweep_fails_each_stale_population_once_and_leaves_live_tasks_alone(
     service: ServiceProcess, db: Db, tool_id: str
 ) -> None:
-    # Claimed first, while it is the tool's only claimable task.
-    held = service.stub.QueueTask(task_pb2.QueueTaskRequest(tool_id=tool_id)).task.id
-    claimed = service.stub.ClaimNextTask(task_pb2.ClaimNextTaskRequest(tool_id=tool_id))
+    # A live run of another tool (one of this tool would mean a worker for it, whose queue
+    # then waits rather than being abandoned: tests/test_watchdog.py, `busy`).
+    other = service.stub.UpsertTool(task_pb2.UpsertToolRequest(name=f"{tool_id}-busy")).tool.id
+    held = service.stub.QueueTask(task_pb2.QueueTaskRequest(tool_id=other)).task.id
+    claimed = service.stub.ClaimNextTask(task_pb2.ClaimNextTaskRequest(tool_id=other))
     assert claimed.task.id == held
     stale = stale_population(db, tool_id)
     stale["reaped: abandoned (dispatched)"] = add_row(
