@@ -189,3 +189,58 @@ def test_claim_is_flat_with_statistics(loaded: psycopg.Connection[dict[str, Any]
         assert "Sort" not in node_types(pick), json.dumps(pick, indent=1)
         assert buffers(pick) <= PICK_BUDGET, json.dumps(pick, indent=1)
         assert buffers(plan) <= BUFFER_BUDGET, json.dumps(plan, indent=1)
+
+
+def test_close_reads_the_ledger_by_key_after_it_grew(databases: Databases) -> None:
+    """A connection keeps its plans: ones made while the attempts ledger was analyzed empty must
+    not scan the whole ledger once it has grown (alembic 0010, enable_seqscan = off)."""
+    url = url_for(databases.create("ledger_plan"))
+    with psycopg.connect(url, autocommit=True, row_factory=dict_row) as connection:
+        tool = make_tool(connection)
+        connection.execute(
+            "INSERT INTO generation.tasks (tool_id) SELECT %s FROM generate_series(1, 20)", [tool]
+        )
+        connection.execute("VACUUM ANALYZE generation.attempts")
+
+        def pair() -> None:
+            claimed = connection.execute(
+                STATEMENTS["ClaimNextTask"],
+                {
+                    "tool_id": tool,
+                    "lease_seconds": 120,
+                    "disabled_override": False,
+                    "cap_override": None,
+                },
+                prepare=True,
+            ).fetchone()
+            assert claimed is not None and claimed["id"] is not None
+            done = connection.execute(
+                STATEMENTS["CompleteTask"],
+                {
+                    "task_id": claimed["id"],
+                    "lease_token": claimed["lease_token"],
+                    "output": None,
+                    "reported_usage": None,
+                    "cost_nanos": 0,
+                    "resource_key": None,
+                },
+                prepare=True,
+            ).fetchone()
+            assert done is not None and done["status"] == "completed"
+
+        for _ in range(8):  # past the five custom plans a cached statement starts with
+            pair()
+        connection.execute(
+            "INSERT INTO generation.attempts (task_id, attempt, lease_token, tool_id, "
+            "resource_key, account_group, local_day, estimate_nanos, outcome) "
+            "SELECT gen_random_uuid(), 1, gen_random_uuid(), %s, 'k', 'g', current_date, 0, "
+            "'completed' FROM generate_series(1, 20000)",
+            [tool],
+        )
+        with connection.transaction():
+            pair()
+            scans = connection.execute(
+                "SELECT seq_scan FROM pg_stat_xact_user_tables "
+                "WHERE relid = 'generation.attempts'::regclass"
+            ).fetchone()
+    assert scans == {"seq_scan": 0}

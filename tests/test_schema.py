@@ -96,3 +96,15 @@ def test_heartbeat_is_a_hot_update(stub: Stub, db: Db, tool_id: str) -> None:
             "WHERE relid = 'generation.tasks'::regclass"
         ).fetchone()
     assert counts == {"n_tup_upd": 3, "n_tup_hot_upd": 3}
+
+
+def test_every_transition_is_planned_once_and_by_key(db: Db) -> None:
+    """Alembic 0010: each PL/pgSQL function of the schema carries both settings; one added
+    without them would replan every call, or keep a seq-scan plan made while a table was small."""
+    unset = db.execute(
+        "SELECT p.proname FROM pg_proc AS p JOIN pg_language AS l ON l.oid = p.prolang "
+        "WHERE p.pronamespace = 'generation'::regnamespace AND l.lanname = 'plpgsql' "
+        "AND NOT (p.proconfig @> ARRAY['plan_cache_mode=force_generic_plan', "
+        "'enable_seqscan=off'])"
+    ).fetchall()
+    assert unset == []

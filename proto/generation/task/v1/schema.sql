@@ -1642,3 +1642,22 @@ BEGIN
     RETURN s;
 END
 $$;
+
+-- Every transition runs with its statements planned once per connection (a custom plan for each
+-- call cost the claim half its time) and by key only: a generic plan lives as long as its
+-- connection, and one made while a table was small (the ledger right after a deploy) would
+-- otherwise scan the whole table on every call until the next ANALYZE (alembic 0010). A PL/pgSQL
+-- function added later carries both settings (tests/test_schema.py checks it).
+DO $$
+DECLARE
+    f regprocedure;
+BEGIN
+    FOR f IN
+        SELECT p.oid::regprocedure FROM pg_proc AS p JOIN pg_language AS l ON l.oid = p.prolang
+        WHERE p.pronamespace = 'generation'::regnamespace AND l.lanname = 'plpgsql'
+    LOOP
+        EXECUTE format(
+            'ALTER FUNCTION %s SET plan_cache_mode = force_generic_plan SET enable_seqscan = off', f);
+    END LOOP;
+END
+$$;
