@@ -1,7 +1,12 @@
 """Sustained load: the single-task path at 70 % of its peak for minutes (GUIDE.md section 4,
 bars "sustained" and "memory"; issue 9).
 
-    .venv/bin/python bench/sustained.py [--minutes 10] [--clients 8] [--share 0.7]
+    .venv/bin/python bench/sustained.py [--minutes 10] [--clients 8] [--share 0.7] [--shared]
+
+By default it starts a Postgres of its own (the embedded server `genq serve` uses, in a temporary
+directory, its defaults: autovacuum on), because the dead-tuple bar is a bar on autovacuum keeping
+up, and a shared server may run without it; `--shared` uses $GENQ_BENCH_ADMIN_URL's server
+instead (127.0.0.1:5432 by default).
 
 In one run, on a database of its own (bench/claim_complete.py's: migrated, 4 tools, a global daily
 cap no run reaches, synchronous_commit = on; dropped at the end), with the real service (`python -m
@@ -34,11 +39,13 @@ import asyncio
 import math
 import os
 import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import grpc
 import psycopg
@@ -46,6 +53,7 @@ import psycopg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script: the project's packages, not an installed copy
 
+from bench import claim_complete  # noqa: E402
 from bench.claim_complete import (  # noqa: E402
     TOOL_IDS,
     CpuMeter,
@@ -62,6 +70,7 @@ from bench.claim_complete import (  # noqa: E402
     split,
 )
 from generation.task.v1 import task_pb2  # noqa: E402
+from service import embedded  # noqa: E402
 
 try:
     import psutil  # type: ignore[import-untyped,unused-ignore]
@@ -177,7 +186,20 @@ def main(argv: list[str] | None = None) -> int:
         "--interval", type=float, default=60.0, help="seconds a 'minute' lasts (60; smoke runs)"
     )
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--shared", action="store_true", help="$GENQ_BENCH_ADMIN_URL's server, not a private one"
+    )
     args = parser.parse_args(argv)
+    if args.shared:
+        return run(args)
+    with tempfile.TemporaryDirectory(prefix="genq_bench_sustained_") as directory:
+        # bench_database creates its database on claim_complete.ADMIN_URL's server.
+        private = embedded.start(Path(directory))
+        claim_complete.ADMIN_URL = urlsplit(private)._replace(path="/postgres").geturl()
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
     service_env = dict(item.split("=", 1) for item in args.service_env)
     procs = min(args.client_procs, args.clients)
 

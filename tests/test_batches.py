@@ -242,3 +242,71 @@ def test_batches_over_two_paid_tools_in_opposite_orders_never_deadlock(
         assert complete_at_once(stub, first, second, cost=1) == [["", ""], ["", ""]]
     for tool in (tool_id, other):
         assert_invariants(db, tool)
+
+
+def test_a_batch_ends_its_held_runs_as_single_completes_would(
+    stub: Stub, db: Db, tool_id: str
+) -> None:
+    """CompleteTasks ends every held run in one statement (complete_tasks_v2): each ends as
+    CompleteTask would end it — `cancelled` when a cancel was asked for, its attempt closed with
+    its cost, the tool's reservation released and its spend added (a cost above the estimate
+    grows the share), the key's run of failures reset, one terminal event each — and an item
+    repeated in the batch is answered as a repeated CompleteTask is."""
+    stub.ConfigureTool(task_pb2.ConfigureToolRequest(tool_id=tool_id, cost_estimate_nanos=10))
+    key = stub.GetTool(task_pb2.GetToolRequest(tool_id=tool_id)).tool.name
+    db.execute(
+        "INSERT INTO generation.cooldowns (resource_key, consecutive_failures) VALUES (%s, 1)",
+        [key],
+    )
+    for _ in range(3):
+        queue(stub, tool_id)
+    a, b, c = claim_many(stub, tool_id, 3).tasks
+    stub.CancelTask(task_pb2.CancelTaskRequest(task_id=c.task.id))
+
+    def report(claimed: task_pb2.ClaimedTask, cost: int) -> task_pb2.CompleteTaskRequest:
+        return task_pb2.CompleteTaskRequest(
+            task_id=claimed.task.id,
+            lease_token=claimed.lease_token,
+            output={"id": claimed.task.id},
+            reported_usage=task_pb2.ReportedUsage(cost_nanos=cost),
+        )
+
+    done = stub.CompleteTasks(
+        task_pb2.CompleteTasksRequest(
+            tasks=[report(a, 4), report(b, 25), report(c, 3), report(a, 4)]
+        )
+    ).results
+    assert [(r.refused, r.task.status) for r in done] == [
+        ("", task_pb2.TASK_STATUS_COMPLETED),
+        ("", task_pb2.TASK_STATUS_COMPLETED),
+        ("", task_pb2.TASK_STATUS_CANCELLED),
+        ("", task_pb2.TASK_STATUS_COMPLETED),
+    ]
+    assert dict(done[1].task.output) == {"id": b.task.id} and not done[2].task.HasField("output")
+    ledger = db.execute(
+        "SELECT task_id::text, outcome::text, cost_nanos, ended_at IS NOT NULL AS ended "
+        "FROM generation.attempts WHERE tool_id = %s ORDER BY cost_nanos",
+        [tool_id],
+    ).fetchall()
+    assert ledger == [
+        {"task_id": c.task.id, "outcome": "cancelled", "cost_nanos": 3, "ended": True},
+        {"task_id": a.task.id, "outcome": "completed", "cost_nanos": 4, "ended": True},
+        {"task_id": b.task.id, "outcome": "completed", "cost_nanos": 25, "ended": True},
+    ], "the repeated item added no second cost"
+    events = db.execute(
+        "SELECT task_id::text, array_agg(kind::text ORDER BY sequence) AS kinds "
+        "FROM generation.task_events WHERE task_id = ANY(%s::uuid[]) GROUP BY 1",
+        [[a.task.id, b.task.id, c.task.id]],
+    ).fetchall()
+    assert {e["task_id"]: e["kinds"] for e in events} == {
+        a.task.id: ["started", "completed"],
+        b.task.id: ["started", "completed"],
+        c.task.id: ["started", "cancel_requested", "cancelled"],
+    }
+    tool = stub.GetTool(task_pb2.GetToolRequest(tool_id=tool_id)).tool
+    assert (tool.spent_today_nanos, tool.reserved_nanos) == (32, 0)
+    failures = db.execute(
+        "SELECT consecutive_failures FROM generation.cooldowns WHERE resource_key = %s", [key]
+    ).fetchone()
+    assert failures == {"consecutive_failures": 0}
+    assert_invariants(db, tool_id)

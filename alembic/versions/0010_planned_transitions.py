@@ -1,4 +1,4 @@
-"""Transitions planned once, on their indexes.
+"""Transitions planned once, on their indexes; the ledger vacuumed like the queue.
 
 Every PL/pgSQL function in `generation` (the write transitions) now runs with
 `plan_cache_mode = force_generic_plan` and `enable_seqscan = off`:
@@ -8,6 +8,9 @@ Every PL/pgSQL function in `generation` (the write transitions) now runs with
 - enable_seqscan = off: a generic plan is kept for the connection's life, so one made while a
   table was small (the attempts ledger right after a deploy, or analyzed while empty) scanned the
   whole ledger on every close until the next ANALYZE; a transition only ever reads rows by key.
+
+And the attempts ledger is vacuumed after 2,000 dead rows, as the queue table is, instead of at
+20 % of a table that only grows.
 
 Settings only, no function body changes: replicas of 0009 keep serving beside it, and get faster.
 A PL/pgSQL function added to `generation` later must carry both settings (tests/test_schema.py).
@@ -26,6 +29,9 @@ depends_on = None
 
 # The same block ends schema.sql.
 UPGRADE = r"""
+ALTER TABLE generation.attempts
+    SET (autovacuum_vacuum_scale_factor = 0.0, autovacuum_vacuum_threshold = 2000);
+
 DO $$
 DECLARE
     f regprocedure;
@@ -42,6 +48,9 @@ $$;
 """
 
 DOWNGRADE = r"""
+ALTER TABLE generation.attempts
+    RESET (autovacuum_vacuum_scale_factor, autovacuum_vacuum_threshold);
+
 DO $$
 DECLARE
     f regprocedure;

@@ -100,8 +100,8 @@ class GenerationDataServiceStub:
     """
     HeartbeatTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.HeartbeatTasksRequest, _task_pb2.HeartbeatTasksResponse]
     """Extends many leases in one call, each fenced by its own token, with a result per item in
-    request order (heartbeat_task_v1 per item, taken in task-id order so that two batches
-    never wait on each other in a cycle).
+    request order (heartbeat_tasks_v1: the tasks locked in id order, so that two batches never
+    wait on each other in a cycle, then every held lease extended in one statement).
     """
     CompleteTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.CompleteTasksRequest, _task_pb2.CompleteTasksResponse]
     """Completes many held tasks in one call, each as CompleteTask does (fenced by its own lease,
@@ -278,8 +278,8 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     """
     HeartbeatTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.HeartbeatTasksRequest, _task_pb2.HeartbeatTasksResponse]  # type: ignore[assignment]
     """Extends many leases in one call, each fenced by its own token, with a result per item in
-    request order (heartbeat_task_v1 per item, taken in task-id order so that two batches
-    never wait on each other in a cycle).
+    request order (heartbeat_tasks_v1: the tasks locked in id order, so that two batches never
+    wait on each other in a cycle, then every held lease extended in one statement).
     """
     CompleteTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.CompleteTasksRequest, _task_pb2.CompleteTasksResponse]  # type: ignore[assignment]
     """Completes many held tasks in one call, each as CompleteTask does (fenced by its own lease,
@@ -507,8 +507,8 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.HeartbeatTasksResponse, _abc.Awaitable[_task_pb2.HeartbeatTasksResponse]]:
         """Extends many leases in one call, each fenced by its own token, with a result per item in
-        request order (heartbeat_task_v1 per item, taken in task-id order so that two batches
-        never wait on each other in a cycle).
+        request order (heartbeat_tasks_v1: the tasks locked in id order, so that two batches never
+        wait on each other in a cycle, then every held lease extended in one statement).
         """
 
     @_abc_1.abstractmethod
