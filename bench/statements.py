@@ -25,6 +25,13 @@ its session settings jit=off and the service's statement_timeout for all three):
 3. service paid: the same, with a cost estimate (`--estimate-nanos`) on every tool (so on every
    task) and a cost (`--cost-nanos`) on every completion, under the same unreachable cap.
 
+4. floor: what any design keeping the service's records must write, as two single statements
+   on the service's schema (FLOOR_SCRIPT below): the claim picks the head of the queue, starts
+   its run, opens its attempt and appends the `started` event; the complete ends the run if the
+   lease holds, closes the attempt and appends the terminal event. No gates, spend, limits,
+   cooldowns or polls: an upper bound for the service line, not a design (planned like the
+   service's transitions, with enable_seqscan off, alembic 0010).
+
 `--tasks` must exceed what the fastest line (the spec's) drains in warm-up + seconds: a claim that
 finds the queue empty makes pgbench abort its run (its gset gets no row), and the program stops.
 
@@ -95,6 +102,43 @@ CREATE INDEX idx_gen_tasks_queue
 columns its RPCs read and write: input, output, error, started_at, completed_at)."""
 
 
+FLOOR_SCRIPT = """\\set t random(1, 4)
+WITH picked AS (
+  SELECT q.id FROM generation.tasks AS q
+  WHERE q.tool_id = ('00000000-0000-0000-0000-00000000000' || :t)::uuid AND q.status = 'queued'
+    AND q.retry_count < q.max_retries AND q.run_at <= now()
+  ORDER BY q.reclaimed DESC, q.priority DESC, q.run_at LIMIT 1 FOR NO KEY UPDATE SKIP LOCKED),
+started AS (
+  UPDATE generation.tasks AS t
+  SET status = 'processing', started_at = COALESCE(t.started_at, now()),
+      claim_expires_at = now() + interval '120 seconds', lease_token = gen_random_uuid(),
+      lease_confirmed = false, reclaimed = false, attempt_count = t.attempt_count + 1,
+      last_event_seq = t.last_event_seq + 1
+  FROM picked WHERE t.id = picked.id RETURNING t.*),
+attempt AS (
+  INSERT INTO generation.attempts
+    (task_id, attempt, lease_token, tool_id, resource_key, account_group, local_day, estimate_nanos)
+  SELECT id, attempt_count, lease_token, tool_id, 'key', 'group', current_date, 0 FROM started),
+event AS (
+  INSERT INTO generation.task_events (task_id, sequence, kind, data)
+  SELECT id, last_event_seq, 'started', jsonb_build_object('attempt', attempt_count) FROM started)
+SELECT started.id, started.lease_token FROM started
+\\gset c_
+WITH done AS (
+  UPDATE generation.tasks AS q
+  SET status = 'completed', output = '{"ok": true}', completed_at = now(), claim_expires_at = NULL,
+      lease_token = NULL, lease_confirmed = false, last_event_seq = q.last_event_seq + 1
+  WHERE q.id = :c_id AND q.status = 'processing' AND q.lease_token = :c_lease_token
+    AND q.claim_expires_at > now() RETURNING q.*),
+closed AS (
+  UPDATE generation.attempts AS a SET outcome = 'completed', ended_at = now()
+  FROM done WHERE a.task_id = done.id AND a.attempt = done.attempt_count)
+INSERT INTO generation.task_events (task_id, sequence, kind)
+SELECT id, last_event_seq, 'completed' FROM done;
+"""
+"""The floor line: the rows the service's claim + complete must write, and nothing else."""
+
+
 def spec_database_loaded(url: str, tasks: int) -> None:
     """Seed A's schema with the 4 tools, then the queue loaded as `load_queue` loads the
     service's (it adapts to the columns it finds: created_at here)."""
@@ -162,6 +206,16 @@ def main(argv: list[str] | None = None) -> int:
         results["paid"] = run_pgbench(args, service_url, settings, name="service paid")
         show(results["paid"], args.clients)
 
+        execute(service_url, "UPDATE generation.tools SET cost_estimate_nanos = 0")
+        load_queue(service_url, args.tasks)
+        with psycopg.connect(service_url, autocommit=True) as connection:
+            name = connection.info.dbname
+            connection.execute(f'ALTER DATABASE "{name}" SET enable_seqscan = off')
+        results["floor"] = run_pgbench(
+            unpaid, service_url, settings, (FLOOR_SCRIPT, []), name="floor"
+        )
+        show(results["floor"], args.clients)
+
     spec = results["spec"].tasks_per_second
     if not spec:
         print("spec line measured nothing")
@@ -170,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         ratio = results[key].tasks_per_second / spec
         verdict = "meets" if ratio >= BAR else "MISSES"
         print(f"ratio {label} / spec: {ratio:.2f} (bar >= {BAR} x: {verdict})")
+    floor = results["floor"].tasks_per_second / spec
+    print(f"ratio floor / spec: {floor:.2f} (the most the service line could reach)")
     return 0
 
 

@@ -2,7 +2,7 @@
 and the tasks in flight, with fresh statistics, with none (right after a bulk load), and with the
 generic plan a prepared statement ends up on.
 
-The claim is generation.claim_tasks_v2; auto_explain (nested statements, sent to the client as
+The claim is generation.claim_tasks_v3; auto_explain (nested statements, sent to the client as
 notices) shows the plan of its pick, and EXPLAIN of the call counts the buffers of all of it."""
 
 from __future__ import annotations

@@ -275,6 +275,37 @@ def test_a_paid_claim_within_its_share_waits_for_neither_settings_nor_other_tool
     assert_invariants(sdb, free)
 
 
+def test_costed_runs_of_a_free_tool_wait_for_neither_settings_nor_other_tools(
+    stub: Stub, sdb: Db, spend_url: str
+) -> None:
+    """A task estimated at 0 reserves nothing, but its run may report a cost. Its claim takes a
+    slice of the cap when the tool's share is used up (claim_tasks_v3), so the costs that follow
+    fit in the tool's own row: with the settings row locked, such a tool claims and completes
+    with a cost. (Before, each such close grew the grants and waited for settings.)"""
+    set_cap(stub, 1_000 * UNIT)
+    free = new_tool(stub)
+    for _ in range(3):
+        queue(stub, free)
+    complete(stub, claim(stub, free), cost=UNIT)  # the first claim takes the tool's slice
+    with psycopg.connect(spend_url) as blocker:
+        blocker.execute("SELECT 1 FROM generation.settings FOR UPDATE")
+        for _ in range(2):
+            answer = stub.ClaimNextTask(task_pb2.ClaimNextTaskRequest(tool_id=free), timeout=10)
+            assert answer.HasField("task")
+            done = stub.CompleteTask(
+                task_pb2.CompleteTaskRequest(
+                    task_id=answer.task.id,
+                    lease_token=answer.lease_token,
+                    reported_usage=task_pb2.ReportedUsage(cost_nanos=UNIT),
+                ),
+                timeout=10,
+            )
+            assert done.task.status == task_pb2.TASK_STATUS_COMPLETED
+        blocker.rollback()
+    assert counters(sdb) == {"spent": 3 * UNIT, "reserved": 0}
+    assert_invariants(sdb, free)
+
+
 def test_a_lowered_cap_takes_back_the_shares_granted_under_the_old_one(stub: Stub, sdb: Db) -> None:
     set_cap(stub, 100 * UNIT)
     first, second = (new_tool(stub, cost_estimate_nanos=UNIT) for _ in range(2))

@@ -946,6 +946,306 @@ BEGIN
 END
 $$;
 
+-- Claims up to p_limit tasks of a tool, in claim order: reclaimed zombies first, then priority
+-- (higher first), then FIFO. Each starts a run: a fresh lease token, an attempt in the ledger,
+-- a `started` event. Spend is admitted task by task and the batch stops at the first task the
+-- caps have no room for. The concurrency limits (max_in_flight of the tool and of the tasks'
+-- resource keys) are kept the same way: a task whose key is busy stays queued, a busy tool stops
+-- the batch. No retry is charged here: a run is charged when it ends unsuccessfully (and only
+-- once its worker confirmed the claim). With nothing claimed, one row says why.
+-- v3 (alembic 0012): a claim of a task estimated at 0 whose tool has used up its share of the
+-- cap takes a new slice, as a paid claim does, so that the costs such runs report fit in the
+-- tool's row instead of growing the grants, and locking settings, at every close.
+CREATE FUNCTION generation.claim_tasks_v3(
+    p_tool uuid, p_limit integer, p_lease_seconds integer, p_disabled boolean, p_cap bigint
+) RETURNS TABLE (task generation.tasks, lease_seconds integer, idle_reason text, event jsonb)
+LANGUAGE plpgsql
+SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
+AS $$
+#variable_conflict use_column
+DECLARE
+    tool generation.tools;
+    s generation.settings;
+    g record;
+    today date;
+    default_key text;
+    default_group text;
+    lease integer;
+    blocked text;
+    tool_cooling boolean;
+    tool_held boolean;
+    picked record;
+    ids uuid[] := '{}';
+    estimates bigint[] := '{}';
+    keys text[] := '{}';
+    groups text[] := '{}';
+    admitted uuid[] := '{}';
+    spend_locked boolean := false;
+    used bigint;
+    share bigint;
+    granted bigint;
+    grant_made record;
+    share_grown boolean := false;
+    reserving bigint := 0;
+    in_flight integer;
+    limits record;
+    key_room jsonb := '{}';
+    full_keys text[];
+    tool_busy boolean;
+    busy boolean := false;
+    head record;
+    has_head boolean;
+BEGIN
+    -- 0. The local day cannot move under a claim: a time-zone change that moves it waits for
+    --    claims in flight, and they for it (update_settings_v2).
+    PERFORM pg_advisory_xact_lock_shared(1734700658);
+    -- 1. Read the gates, unlocked: the tool, the switch and the cap in force, its cooldown/hold.
+    SELECT * INTO tool FROM generation.tools WHERE id = p_tool;
+    IF NOT FOUND THEN
+        RETURN QUERY SELECT NULL::generation.tasks, NULL::integer, 'unknown_tool'::text, NULL::jsonb;
+        RETURN;
+    END IF;
+    SELECT * INTO s FROM generation.settings;
+    SELECT * INTO g FROM generation.gates_v1(p_disabled, p_cap);
+    today := (now() AT TIME ZONE s.timezone)::date;
+    default_key := COALESCE(tool.resource_key, tool.name);
+    default_group := COALESCE(tool.account_group, tool.name);
+    lease := COALESCE(tool.lease_seconds, p_lease_seconds);
+    used := CASE WHEN tool.spent_day = today THEN tool.spent_nanos + tool.reserved_nanos ELSE 0 END;
+    share := CASE WHEN tool.spent_day = today THEN tool.granted_nanos ELSE 0 END;
+    granted := CASE WHEN s.granted_day = today THEN s.granted_nanos ELSE 0 END;
+    blocked := CASE WHEN NOT g.running THEN 'disabled' WHEN tool.paused THEN 'paused'
+                    WHEN g.cap = 0 THEN 'capped' END;
+    tool_cooling := EXISTS (SELECT 1 FROM generation.cooldowns AS c
+                            WHERE c.resource_key = default_key AND c.cooling_until > now());
+    tool_held := EXISTS (SELECT 1 FROM generation.holds AS h
+                         WHERE h.account_group = default_group AND h.held_until > now());
+    -- Keys at their concurrency limit, and whether the tool is at its own (counted unlocked,
+    -- and again under lock in step 3; each count stops at the limit).
+    SELECT COALESCE(array_agg(l.resource_key), '{}') INTO full_keys
+    FROM generation.resource_limits AS l
+    WHERE generation.key_running_v1(l.resource_key, l.max_in_flight) >= l.max_in_flight;
+    tool_busy := default_key = ANY (full_keys) OR CASE WHEN tool.max_in_flight IS NULL THEN false
+        ELSE tool.max_in_flight <= (
+            SELECT count(*) FROM (
+                SELECT 1 FROM generation.tasks AS q
+                WHERE q.tool_id = p_tool AND q.status = 'processing'
+                LIMIT tool.max_in_flight) AS running) END;
+
+    IF blocked IS NULL AND NOT tool_cooling AND NOT tool_held AND NOT tool_busy THEN
+        -- 2. Lock up to p_limit claimable tasks in claim order, skipping rows other claimers
+        --    hold (tasks_claim_idx serves this as an index-ordered top-N).
+        FOR picked IN
+            SELECT q.id, COALESCE(q.cost_estimate_nanos, tool.cost_estimate_nanos) AS estimate,
+                   COALESCE(q.resource_key, default_key) AS resource_key,
+                   COALESCE(q.account_group, default_group) AS account_group
+            FROM generation.tasks AS q
+            WHERE q.tool_id = p_tool AND q.status = 'queued' AND q.retry_count < q.max_retries
+              AND q.run_at <= now() AND (q.expires_at IS NULL OR q.expires_at > now())
+              AND (q.resource_key IS NULL OR NOT EXISTS (
+                    SELECT 1 FROM generation.cooldowns AS c
+                    WHERE c.resource_key = q.resource_key AND c.cooling_until > now()))
+              AND (q.account_group IS NULL OR NOT EXISTS (
+                    SELECT 1 FROM generation.holds AS h
+                    WHERE h.account_group = q.account_group AND h.held_until > now()))
+              AND (q.resource_key IS NULL OR NOT q.resource_key = ANY (full_keys))
+            ORDER BY q.reclaimed DESC, q.priority DESC, q.run_at
+            LIMIT p_limit
+            FOR NO KEY UPDATE OF q SKIP LOCKED
+        LOOP
+            ids := ids || picked.id;
+            estimates := estimates || picked.estimate;
+            keys := keys || picked.resource_key;
+            groups := groups || picked.account_group;
+        END LOOP;
+
+        -- 3. The concurrency limits: lock the picked keys' limits (in key order: claims of one
+        --    key across tools take turns), then count what runs of each key in a statement of
+        --    its own, whose snapshot comes after the lock and so sees the runs of the claim that
+        --    held it; then the tool's, under its row lock. Counting stops at the limit.
+        PERFORM 1 FROM generation.resource_limits AS l WHERE l.resource_key = ANY (keys)
+        ORDER BY l.resource_key
+        FOR NO KEY UPDATE;
+        FOR limits IN
+            SELECT l.resource_key,
+                   l.max_in_flight - generation.key_running_v1(l.resource_key, l.max_in_flight)
+                       AS room
+            FROM generation.resource_limits AS l
+            WHERE l.resource_key = ANY (keys)
+        LOOP
+            key_room := key_room || jsonb_build_object(limits.resource_key, limits.room);
+        END LOOP;
+        IF tool.max_in_flight IS NOT NULL AND array_length(ids, 1) > 0 THEN
+            SELECT * INTO tool FROM generation.tools AS t WHERE t.id = p_tool FOR NO KEY UPDATE;
+            spend_locked := true;
+            today := GREATEST(today, tool.spent_day);
+            used := CASE WHEN tool.spent_day = today
+                         THEN tool.spent_nanos + tool.reserved_nanos ELSE 0 END;
+            share := CASE WHEN tool.spent_day = today THEN tool.granted_nanos ELSE 0 END;
+            SELECT tool.max_in_flight - count(*) INTO in_flight FROM (
+                SELECT 1 FROM generation.tasks AS q
+                WHERE q.tool_id = p_tool AND q.status = 'processing'
+                LIMIT tool.max_in_flight) AS running;
+        END IF;
+
+        -- 4. Admit in claim order: within the limits (a task whose key is busy stays queued and
+        --    the next is tried; a busy tool stops the claim), under the tool's own cap and
+        --    within its share of the global cap (counters of an earlier day count as nothing).
+        --    The tool's row is locked at the first task carrying an estimate; tasks estimated
+        --    at 0 reserve nothing and read the counters unlocked.
+        FOR i IN 1 .. COALESCE(array_length(ids, 1), 0) LOOP
+            IF in_flight IS NOT NULL AND in_flight <= 0 THEN
+                busy := true;
+                EXIT;
+            END IF;
+            IF (key_room ->> keys[i])::integer <= 0 THEN
+                busy := true;
+                CONTINUE;
+            END IF;
+            IF estimates[i] > 0 AND NOT spend_locked THEN
+                SELECT * INTO tool FROM generation.tools AS t WHERE t.id = p_tool FOR NO KEY UPDATE;
+                spend_locked := true;
+                -- A claim begun just before midnight that waited for a claim of the new day
+                -- counts on the new day: a day's counters never move back to the one before.
+                today := GREATEST(today, tool.spent_day);
+                used := CASE WHEN tool.spent_day = today
+                             THEN tool.spent_nanos + tool.reserved_nanos ELSE 0 END;
+                share := CASE WHEN tool.spent_day = today THEN tool.granted_nanos ELSE 0 END;
+            END IF;
+            EXIT WHEN NOT generation.within_cap_v1(
+                used, today, today, reserving, estimates[i], tool.daily_cap_nanos);
+            IF estimates[i] = 0 AND used + reserving >= share AND granted < g.cap
+               AND NOT share_grown THEN
+                -- Its run may still report a cost, and the tool's share has no room left for
+                -- one: take a slice now (once a claim), as for an estimate, the tool's row first.
+                IF NOT spend_locked THEN
+                    SELECT * INTO tool FROM generation.tools AS t
+                    WHERE t.id = p_tool FOR NO KEY UPDATE;
+                    spend_locked := true;
+                    today := GREATEST(today, tool.spent_day);
+                    used := CASE WHEN tool.spent_day = today
+                                 THEN tool.spent_nanos + tool.reserved_nanos ELSE 0 END;
+                    share := CASE WHEN tool.spent_day = today THEN tool.granted_nanos ELSE 0 END;
+                END IF;
+                IF used + reserving >= share THEN
+                    SELECT * INTO grant_made FROM generation.grant_share_v1(
+                        p_tool, today, used + reserving - share, g.cap);
+                    IF grant_made.share_change > 0 THEN
+                        share := share + grant_made.share_change;
+                        granted := grant_made.granted;
+                        share_grown := true;
+                    END IF;
+                END IF;
+            END IF;
+            IF estimates[i] = 0 THEN
+                -- The grants bound the total spend, and it is below them while this share has
+                -- room: then the total is strictly below the cap. Else (a lowered cap left the
+                -- grants above it, say) the total itself decides, read unlocked: nothing is
+                -- reserved for it.
+                EXIT WHEN NOT (granted < g.cap OR granted <= g.cap AND used + reserving < share
+                               OR (SELECT sp.spent_nanos::numeric + sp.reserved_nanos
+                                   FROM generation.spend_today AS sp) < g.cap);
+            ELSIF used + reserving + estimates[i] > share OR granted > g.cap THEN
+                -- Short of share, or a lowered cap left the grants above it: ask for the
+                -- difference (settings' row is locked only here).
+                SELECT * INTO grant_made FROM generation.grant_share_v1(
+                    p_tool, today, used + reserving + estimates[i] - share, g.cap);
+                EXIT WHEN grant_made.share_change IS NULL;
+                share := share + grant_made.share_change;
+                granted := grant_made.granted;
+            END IF;
+            reserving := reserving + estimates[i];
+            admitted := admitted || ids[i];
+            in_flight := in_flight - 1;
+            IF key_room ? keys[i] THEN
+                key_room := jsonb_set(key_room, ARRAY[keys[i]],
+                                      to_jsonb((key_room ->> keys[i])::integer - 1));
+            END IF;
+        END LOOP;
+    END IF;
+
+    -- 5. A worker asked for the tool's work (noted at most every 5 s): the watchdog's sign that
+    --    someone is coming for it.
+    INSERT INTO generation.tool_polls AS p (tool_id, polled_at)
+    SELECT p_tool, now()
+    WHERE NOT EXISTS (SELECT 1 FROM generation.tool_polls AS x
+                      WHERE x.tool_id = p_tool AND x.polled_at > now() - interval '5 seconds')
+    ON CONFLICT (tool_id) DO UPDATE SET polled_at = EXCLUDED.polled_at;
+
+    IF array_length(admitted, 1) IS NULL THEN
+        -- 6. Nothing claimed: say why, from the first reason that holds.
+        IF blocked IS NULL AND array_length(ids, 1) > 0 THEN
+            blocked := CASE WHEN busy THEN 'busy' ELSE 'capped' END;
+        END IF;
+        IF blocked IS NULL THEN
+            SELECT COALESCE(q.resource_key, default_key) AS resource_key,
+                   COALESCE(q.account_group, default_group) AS account_group INTO head
+            FROM generation.tasks AS q
+            WHERE q.tool_id = p_tool AND q.status = 'queued' AND q.retry_count < q.max_retries
+            ORDER BY q.reclaimed DESC, q.priority DESC, q.run_at
+            LIMIT 1;
+            has_head := FOUND;
+            blocked := CASE
+                WHEN NOT has_head THEN 'empty'
+                WHEN tool_held THEN 'held'
+                WHEN tool_cooling THEN 'cooling'
+                WHEN tool_busy OR head.resource_key = ANY (full_keys) THEN 'busy'
+                WHEN EXISTS (SELECT 1 FROM generation.holds AS h
+                             WHERE h.account_group = head.account_group AND h.held_until > now())
+                    THEN 'held'
+                WHEN EXISTS (SELECT 1 FROM generation.cooldowns AS c
+                             WHERE c.resource_key = head.resource_key AND c.cooling_until > now())
+                    THEN 'cooling'
+                ELSE 'waiting' END;
+        END IF;
+        RETURN QUERY SELECT NULL::generation.tasks, NULL::integer, blocked, NULL::jsonb;
+        RETURN;
+    END IF;
+
+    -- 7. Reserve the admitted estimates in the tool's row (locked in step 4), with its share.
+    IF reserving > 0 OR share_grown THEN
+        UPDATE generation.tools AS t
+        SET spent_nanos = CASE WHEN t.spent_day = today THEN t.spent_nanos ELSE 0 END,
+            reserved_nanos = CASE WHEN t.spent_day = today THEN t.reserved_nanos ELSE 0 END
+                             + reserving,
+            granted_nanos = share, spent_day = today
+        WHERE t.id = p_tool;
+    END IF;
+
+    -- 8. Start the runs: a fresh, unconfirmed lease each, an attempt, a `started` event.
+    RETURN QUERY
+    WITH started AS (
+        UPDATE generation.tasks AS t
+        SET status = 'processing',
+            started_at = COALESCE(t.started_at, now()),
+            claim_expires_at = now() + make_interval(secs => lease),
+            lease_token = gen_random_uuid(),
+            lease_confirmed = false,
+            reclaimed = false,
+            attempt_count = t.attempt_count + 1,
+            last_event_seq = t.last_event_seq + 1
+        WHERE t.id = ANY (admitted)
+        RETURNING t.*),
+    attempt AS (
+        INSERT INTO generation.attempts
+            (task_id, attempt, lease_token, tool_id, resource_key, account_group, local_day,
+             estimate_nanos)
+        SELECT started.id, started.attempt_count, started.lease_token, started.tool_id,
+               keys[array_position(ids, started.id)], groups[array_position(ids, started.id)],
+               today, estimates[array_position(ids, started.id)]
+        FROM started),
+    event AS (
+        INSERT INTO generation.task_events (task_id, sequence, kind, data)
+        SELECT started.id, started.last_event_seq, 'started',
+               jsonb_build_object('attempt', started.attempt_count)
+        FROM started
+        RETURNING *)
+    SELECT ROW(started.*)::generation.tasks, lease, NULL::text, to_jsonb(event)
+    FROM started JOIN event ON event.task_id = started.id
+    ORDER BY array_position(admitted, started.id);
+END
+$$;
+
 -- Extends the lease of a task the caller holds, and confirms the claim (its answer reached the
 -- worker, so the run now counts). Touches no indexed column: the update stays HOT.
 CREATE FUNCTION generation.heartbeat_task_v1(p_task uuid, p_token uuid, p_lease_seconds integer)
