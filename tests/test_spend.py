@@ -278,15 +278,19 @@ def test_a_paid_claim_within_its_share_waits_for_neither_settings_nor_other_tool
 def test_costed_runs_of_a_free_tool_wait_for_neither_settings_nor_other_tools(
     stub: Stub, sdb: Db, spend_url: str
 ) -> None:
-    """A task estimated at 0 reserves nothing, but its run may report a cost. Its claim takes a
-    slice of the cap when the tool's share is used up (claim_tasks_v3), so the costs that follow
-    fit in the tool's own row: with the settings row locked, such a tool claims and completes
-    with a cost. (Before, each such close grew the grants and waited for settings.)"""
+    """A task estimated at 0 reserves nothing, but its run may report a cost. Once the tool's
+    runs have spent today and its share is used up, its claim takes a slice of the cap
+    (claim_tasks_v3), so the costs that follow fit in the tool's own row: with the settings row
+    locked, such a tool claims and completes with a cost. (Before, each such close grew the
+    grants and waited for settings.) A tool that has spent nothing today takes no slice."""
     set_cap(stub, 1_000 * UNIT)
     free = new_tool(stub)
-    for _ in range(3):
+    for _ in range(4):
         queue(stub, free)
-    complete(stub, claim(stub, free), cost=UNIT)  # the first claim takes the tool's slice
+    complete(stub, claim(stub, free), cost=UNIT)  # nothing spent yet: no slice; the cost grows it
+    shares = sdb.execute("SELECT granted_nanos FROM generation.tools WHERE id = %s", [free])
+    assert shares.fetchone() == {"granted_nanos": UNIT}
+    complete(stub, claim(stub, free), cost=UNIT)  # spent and used up: this claim takes a slice
     with psycopg.connect(spend_url) as blocker:
         blocker.execute("SELECT 1 FROM generation.settings FOR UPDATE")
         for _ in range(2):
@@ -302,7 +306,7 @@ def test_costed_runs_of_a_free_tool_wait_for_neither_settings_nor_other_tools(
             )
             assert done.task.status == task_pb2.TASK_STATUS_COMPLETED
         blocker.rollback()
-    assert counters(sdb) == {"spent": 3 * UNIT, "reserved": 0}
+    assert counters(sdb) == {"spent": 4 * UNIT, "reserved": 0}
     assert_invariants(sdb, free)
 
 

@@ -4,8 +4,9 @@ A task estimated at 0 reserves nothing, yet its run may report a cost: with the 
 up, every such close grew the total of grants and so locked the settings row, which put every
 costed completion of every tool on that one row again (pgbench of the service's claim + complete
 with a cost and no estimate: 1,242 pairs/s, 1,741 with the shares granted ahead). Now
-`generation.claim_tasks_v3` takes a slice for such a claim, as `claim_tasks_v2` does for a paid
-one (`grant_share_v1`: the shortfall and a sixteenth of what is free).
+`generation.claim_tasks_v3` takes a slice for such a claim once the tool's runs have spent today,
+as `claim_tasks_v2` does for a paid one (`grant_share_v1`: the shortfall and a sixteenth of what
+is free); a tool that spends nothing takes none, so free tools do not spread the cap thin.
 
 Additive: replicas of 0011 keep calling `claim_tasks_v2`, which stays.
 
@@ -29,9 +30,10 @@ UPGRADE = r"""
 -- resource keys) are kept the same way: a task whose key is busy stays queued, a busy tool stops
 -- the batch. No retry is charged here: a run is charged when it ends unsuccessfully (and only
 -- once its worker confirmed the claim). With nothing claimed, one row says why.
--- v3 (alembic 0012): a claim of a task estimated at 0 whose tool has used up its share of the
--- cap takes a new slice, as a paid claim does, so that the costs such runs report fit in the
--- tool's row instead of growing the grants, and locking settings, at every close.
+-- v3 (alembic 0012): a claim of a task estimated at 0 whose tool has spent today and used up
+-- its share of the cap takes a new slice, as a paid claim does, so that the costs such runs
+-- report fit in the tool's row instead of growing the grants, and locking settings, at every
+-- close.
 CREATE FUNCTION generation.claim_tasks_v3(
     p_tool uuid, p_limit integer, p_lease_seconds integer, p_disabled boolean, p_cap bigint
 ) RETURNS TABLE (task generation.tasks, lease_seconds integer, idle_reason text, event jsonb)
@@ -62,6 +64,7 @@ DECLARE
     granted bigint;
     grant_made record;
     share_grown boolean := false;
+    slice_asked boolean := false;
     reserving bigint := 0;
     in_flight integer;
     limits record;
@@ -190,10 +193,12 @@ BEGIN
             END IF;
             EXIT WHEN NOT generation.within_cap_v1(
                 used, today, today, reserving, estimates[i], tool.daily_cap_nanos);
-            IF estimates[i] = 0 AND used + reserving >= share AND granted < g.cap
-               AND NOT share_grown THEN
-                -- Its run may still report a cost, and the tool's share has no room left for
-                -- one: take a slice now (once a claim), as for an estimate, the tool's row first.
+            IF estimates[i] = 0 AND used > 0 AND used + reserving >= share
+               AND g.cap - granted >= 16 AND NOT slice_asked THEN
+                -- Its run may report a cost, as the tool's runs did today, and the tool's share
+                -- has no room left for one: ask for a slice now (once a claim, and only while a
+                -- sixteenth of the free part is worth asking for), the tool's row first.
+                slice_asked := true;
                 IF NOT spend_locked THEN
                     SELECT * INTO tool FROM generation.tools AS t
                     WHERE t.id = p_tool FOR NO KEY UPDATE;
