@@ -4,13 +4,13 @@ in one run (GUIDE.md section 4, bars "batch path" and "enqueue").
 
     .venv/bin/python bench/drain.py [--tasks 20000] [--concurrency 100] [--workers 1,2]
 
-PGQueuer runs from an interpreter of its own, so that it is not installed into the project's
-environment (it is no dependency of genq, not even an extra):
+PGQueuer is the bench's own dependency, the `bench` extra (never the service's):
 
-    python3.11 -m venv /tmp/pgq && /tmp/pgq/bin/pip install pgqueuer asyncpg
+    .venv/bin/pip install -e '.[bench]'
 
-`--pgqueuer-python` (default /tmp/pgq/bin/python, or $GENQ_BENCH_PGQ_PYTHON) names it; without
-it the PGQueuer line is skipped. It runs the peers' own baseline, `../shared/peers/
+`--pgqueuer-python` ($GENQ_BENCH_PGQ_PYTHON; by default this interpreter when it has pgqueuer,
+else /tmp/pgq/bin/python, an environment of its own) names the interpreter that runs it; without
+one the PGQueuer line is skipped. It runs the peers' own baseline, `../shared/peers/
 pgqueuer_drain.py` (`--pgqueuer-script`), on a database of its own (durable tables, `pgq
 install`), which enqueues N jobs 1,000 a call and drains them with QueueManager in drain mode.
 
@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import multiprocessing
 import os
 import re
@@ -84,7 +85,9 @@ from generation.task.v1 import task_pb2  # noqa: E402
 from service import migrations  # noqa: E402
 from workers_sdk import GatewayClient, GenqClient, TaskContext, WorkerFleet  # noqa: E402
 
-PGQ_PYTHON = os.environ.get("GENQ_BENCH_PGQ_PYTHON", "/tmp/pgq/bin/python")
+PGQ_PYTHON = os.environ.get("GENQ_BENCH_PGQ_PYTHON") or (
+    sys.executable if importlib.util.find_spec("pgqueuer") else "/tmp/pgq/bin/python"
+)
 PGQ_SCRIPT = ROOT.parent / "shared" / "peers" / "pgqueuer_drain.py"
 CAP = 10**17
 """Global daily cap in nanos (the largest the service takes): without one nothing is claimed."""

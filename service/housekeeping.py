@@ -457,15 +457,18 @@ class Waits:
     async def check(self) -> list[Wait]:
         """Reads the status when a check is due and logs each reason due again; returns what
         it logged."""
-        now = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        now = loop.time()
         if now < self._due:
             return []
-        self._due = now + self.check_seconds
         try:
             rows = await self.database.fetch(STATEMENTS["GetStatus"], self.params)
         except Exception as error:  # the sweeps and the health check already say so
             log.debug("could not read the status: %s", error)
             return []
+        finally:
+            # Counted from the read's end: a slow read is never followed at once by the next.
+            self._due = loop.time() + self.check_seconds
         found = waits(respond_status(rows).status)
         # A reason that cleared is forgotten: should it come back, it is said at once.
         self._said = {w.reason: self._said[w.reason] for w in found if w.reason in self._said}

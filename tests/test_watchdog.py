@@ -329,3 +329,53 @@ def now_seconds(db: Db) -> int:
     found = db.execute("SELECT extract(epoch FROM now())::bigint AS t").fetchone()
     assert found is not None
     return int(found["t"])
+
+
+def test_the_watchdogs_reads_do_not_judge_a_drained_backlog_row_by_row(
+    databases: Databases,
+) -> None:
+    """A long backlog that a worker is draining (its tool polled just now) cannot be abandoned:
+    GetStatus's stale count and ListStaleTasks ask stale_reason_v2 about none of its tasks
+    (generation.unattended_tools_v1), so a status read stays cheap whatever the backlog. The
+    same tasks of a tool nobody polls are judged, and found stale."""
+    from service.rpcs import BINDINGS, STATEMENTS
+    from service.settings import Settings
+
+    url = url_for(databases.create("stale_reads"))
+    settings = Settings.from_env({"DATABASE_URL": url})
+    with psycopg.connect(url, autocommit=True, row_factory=dict_row) as db:
+        attended, unattended = (
+            db.execute(
+                "INSERT INTO generation.tools (name, gates_changed_at) "
+                "VALUES (%s, now() - interval '1 day') RETURNING id",
+                [name],
+            ).fetchone()["id"]  # type: ignore[index]
+            for name in ("drained", "forgotten")
+        )
+        db.execute("UPDATE generation.settings SET gates_changed_at = now() - interval '1 day'")
+        for tool, count in ((attended, 500), (unattended, 3)):
+            db.execute(
+                "INSERT INTO generation.tasks (tool_id, queued_at, run_at) "
+                "SELECT %s, now() - interval '1 hour', now() - interval '1 hour' "
+                "FROM generate_series(1, %s)",
+                [tool, count],
+            )
+        db.execute("INSERT INTO generation.tool_polls VALUES (%s, now())", [attended])
+        with db.transaction():
+            db.execute("SET LOCAL jit = off")  # as in the service's sessions
+            db.execute("SET LOCAL track_functions = 'all'")
+            status = db.execute(
+                STATEMENTS["GetStatus"],
+                BINDINGS["GetStatus"].bind(task_pb2.GetStatusRequest(), settings),
+            ).fetchone()
+            listed = db.execute(
+                STATEMENTS["ListStaleTasks"],
+                BINDINGS["ListStaleTasks"].bind(task_pb2.ListStaleTasksRequest(), settings),
+            ).fetchall()
+            judged = db.execute(
+                "SELECT COALESCE(sum(calls), 0) AS n FROM pg_stat_xact_user_functions "
+                "WHERE funcname = 'stale_reason_v2'"
+            ).fetchone()
+    assert status is not None and status["status"]["stale_tasks"] == 3
+    assert {row["tool_id"] for row in listed} == {unattended} and len(listed) == 3
+    assert judged == {"n": 6}, "only the unattended tool's tasks were judged, once per read"

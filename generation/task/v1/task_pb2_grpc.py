@@ -474,7 +474,8 @@ class GenerationDataServiceServicer:
     def ListStaleTasks(self, request, context):
         """The watchdog's list: tasks that can never finish on their own (see StaleReason), judged by
         generation.stale_reason_v2 with the stored thresholds (Settings). The WHERE clause is only
-        what stale_reason_v2 implies, so the indexes narrow the rows it is asked about.
+        what stale_reason_v2 implies (generation.unattended_tools_v1 for queued tasks), so the rows
+        it is asked about are few; OFFSET 0 keeps the planner from asking it about every row first.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -180,7 +180,8 @@ class GenerationDataServiceStub:
     ListStaleTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.ListStaleTasksRequest, _task_pb2.ListStaleTasksResponse]
     """The watchdog's list: tasks that can never finish on their own (see StaleReason), judged by
     generation.stale_reason_v2 with the stored thresholds (Settings). The WHERE clause is only
-    what stale_reason_v2 implies, so the indexes narrow the rows it is asked about.
+    what stale_reason_v2 implies (generation.unattended_tools_v1 for queued tasks), so the rows
+    it is asked about are few; OFFSET 0 keeps the planner from asking it about every row first.
     """
     GetTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.GetTaskRequest, _task_pb2.GetTaskResponse]
     """Reads one task."""
@@ -358,7 +359,8 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     ListStaleTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.ListStaleTasksRequest, _task_pb2.ListStaleTasksResponse]  # type: ignore[assignment]
     """The watchdog's list: tasks that can never finish on their own (see StaleReason), judged by
     generation.stale_reason_v2 with the stored thresholds (Settings). The WHERE clause is only
-    what stale_reason_v2 implies, so the indexes narrow the rows it is asked about.
+    what stale_reason_v2 implies (generation.unattended_tools_v1 for queued tasks), so the rows
+    it is asked about are few; OFFSET 0 keeps the planner from asking it about every row first.
     """
     GetTask: _aio.UnaryUnaryMultiCallable[_task_pb2.GetTaskRequest, _task_pb2.GetTaskResponse]  # type: ignore[assignment]
     """Reads one task."""
@@ -701,7 +703,8 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_task_pb2.ListStaleTasksResponse, _abc.Awaitable[_task_pb2.ListStaleTasksResponse]]:
         """The watchdog's list: tasks that can never finish on their own (see StaleReason), judged by
         generation.stale_reason_v2 with the stored thresholds (Settings). The WHERE clause is only
-        what stale_reason_v2 implies, so the indexes narrow the rows it is asked about.
+        what stale_reason_v2 implies (generation.unattended_tools_v1 for queued tasks), so the rows
+        it is asked about are few; OFFSET 0 keeps the planner from asking it about every row first.
         """
 
     @_abc_1.abstractmethod

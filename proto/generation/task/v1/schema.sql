@@ -414,6 +414,28 @@ AS $$
     WHERE tool.id = t.tool_id
 $$;
 
+-- The tools whose queued tasks generation.stale_reason_v2 may call abandoned: the switch on, a
+-- cap set, the tool not paused, no gate changed and no worker's poll within queued_max_age, no
+-- live lease. Each holds of every abandoned task, so the watchdog's reads (ListStaleTasks,
+-- GetStatus) ask stale_reason_v2 only about the queued tasks of these tools: a backlog that a
+-- worker drains, a paused tool's, or one the switch holds is not judged row by row (alembic 0013).
+CREATE FUNCTION generation.unattended_tools_v1() RETURNS uuid[]
+LANGUAGE sql STABLE
+AS $$
+    SELECT COALESCE(array_agg(tl.id), '{}')
+    FROM generation.tools AS tl, generation.settings AS s, generation.gates_v1(false, NULL) AS g
+    WHERE g.running AND g.cap > 0 AND NOT tl.paused
+      AND GREATEST(s.gates_changed_at, tl.gates_changed_at)
+          <= now() - make_interval(secs => s.queued_max_age_seconds)
+      AND NOT EXISTS (
+          SELECT 1 FROM generation.tool_polls AS p
+          WHERE p.tool_id = tl.id
+            AND p.polled_at > now() - make_interval(secs => s.queued_max_age_seconds))
+      AND NOT EXISTS (
+          SELECT 1 FROM generation.tasks AS q
+          WHERE q.tool_id = tl.id AND q.status = 'processing' AND q.claim_expires_at > now())
+$$;
+
 -- Closes the attempt run under a lease and moves its money on its tool's counters: the
 -- reservation is released (once) and the cost added (also for a late report under a lost lease:
 -- billed is billed) when the attempt started on the counters' day, today (an earlier day's
