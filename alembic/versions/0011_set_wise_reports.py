@@ -41,10 +41,12 @@ BEGIN
     -- 2. Extend and confirm the leases still running; a cancel asked for is told to the worker.
     RETURN QUERY
     WITH item AS (
-        SELECT * FROM jsonb_to_recordset(p_items) AS x(ordinal integer, task_id uuid, lease_token uuid)),
+        SELECT * FROM jsonb_to_recordset(p_items)
+            AS x(ordinal integer, task_id uuid, lease_token uuid)),
     beat AS (
         UPDATE generation.tasks AS q
-        SET claim_expires_at = now() + make_interval(secs => COALESCE(tl.lease_seconds, p_lease_seconds)),
+        SET claim_expires_at
+                = now() + make_interval(secs => COALESCE(tl.lease_seconds, p_lease_seconds)),
             lease_confirmed = true
         FROM (SELECT DISTINCT task_id, lease_token FROM item) AS i, generation.tools AS tl
         WHERE q.id = i.task_id AND tl.id = q.tool_id AND q.status = 'processing'
@@ -53,7 +55,8 @@ BEGIN
                   COALESCE(tl.lease_seconds, p_lease_seconds) AS lease,
                   q.cancel_requested_at IS NOT NULL AS cancel)
     SELECT item.ordinal, item.task_id,
-           beat.id IS NOT NULL OR EXISTS (SELECT 1 FROM generation.tasks AS t WHERE t.id = item.task_id),
+           beat.id IS NOT NULL
+               OR EXISTS (SELECT 1 FROM generation.tasks AS t WHERE t.id = item.task_id),
            beat.claim_expires_at, beat.lease, beat.cancel
     FROM item
     LEFT JOIN beat ON beat.id = item.task_id AND beat.lease_token = item.lease_token;
@@ -94,8 +97,8 @@ BEGIN
             ORDER BY x.task_id, x.lease_token, x.ordinal),
         done AS (
             UPDATE generation.tasks AS q
-            SET status = CASE WHEN q.cancel_requested_at IS NULL THEN 'completed' ELSE 'cancelled' END
-                         ::generation.task_status,
+            SET status = CASE WHEN q.cancel_requested_at IS NULL THEN 'completed'
+                              ELSE 'cancelled' END::generation.task_status,
                 output = CASE WHEN q.cancel_requested_at IS NULL THEN item.output END,
                 reported_usage = item.reported_usage,
                 error = CASE WHEN q.cancel_requested_at IS NULL THEN NULL ELSE 'cancelled' END,
