@@ -99,12 +99,13 @@ def test_heartbeat_is_a_hot_update(stub: Stub, db: Db, tool_id: str) -> None:
 
 
 def test_every_transition_is_planned_once_and_by_key(db: Db) -> None:
-    """Alembic 0010: each PL/pgSQL function of the schema carries both settings; one added
-    without them would replan every call, or keep a seq-scan plan made while a table was small."""
+    """Alembic 0010 and 0014: each PL/pgSQL function of the schema carries the three settings;
+    one added without them would replan every call, keep a seq-scan plan made while a table was
+    small, or be JIT-compiled (for the 10^10 a disabled scan costs) in a session with JIT on."""
     unset = db.execute(
         "SELECT p.proname FROM pg_proc AS p JOIN pg_language AS l ON l.oid = p.prolang "
         "WHERE p.pronamespace = 'generation'::regnamespace AND l.lanname = 'plpgsql' "
         "AND NOT (p.proconfig @> ARRAY['plan_cache_mode=force_generic_plan', "
-        "'enable_seqscan=off'])"
+        "'enable_seqscan=off', 'jit=off'])"
     ).fetchall()
     assert unset == []

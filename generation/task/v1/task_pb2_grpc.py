@@ -314,7 +314,7 @@ class GenerationDataServiceServicer:
 
     def HeartbeatTasks(self, request, context):
         """Extends many leases in one call, each fenced by its own token, with a result per item in
-        request order (heartbeat_tasks_v1: the tasks locked in id order, so that two batches never
+        request order (heartbeat_tasks_v2: the tasks locked in id order, so that two batches never
         wait on each other in a cycle, then every held lease extended in one statement).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -100,7 +100,7 @@ class GenerationDataServiceStub:
     """
     HeartbeatTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.HeartbeatTasksRequest, _task_pb2.HeartbeatTasksResponse]
     """Extends many leases in one call, each fenced by its own token, with a result per item in
-    request order (heartbeat_tasks_v1: the tasks locked in id order, so that two batches never
+    request order (heartbeat_tasks_v2: the tasks locked in id order, so that two batches never
     wait on each other in a cycle, then every held lease extended in one statement).
     """
     CompleteTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.CompleteTasksRequest, _task_pb2.CompleteTasksResponse]
@@ -279,7 +279,7 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     """
     HeartbeatTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.HeartbeatTasksRequest, _task_pb2.HeartbeatTasksResponse]  # type: ignore[assignment]
     """Extends many leases in one call, each fenced by its own token, with a result per item in
-    request order (heartbeat_tasks_v1: the tasks locked in id order, so that two batches never
+    request order (heartbeat_tasks_v2: the tasks locked in id order, so that two batches never
     wait on each other in a cycle, then every held lease extended in one statement).
     """
     CompleteTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.CompleteTasksRequest, _task_pb2.CompleteTasksResponse]  # type: ignore[assignment]
@@ -509,7 +509,7 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.HeartbeatTasksResponse, _abc.Awaitable[_task_pb2.HeartbeatTasksResponse]]:
         """Extends many leases in one call, each fenced by its own token, with a result per item in
-        request order (heartbeat_tasks_v1: the tasks locked in id order, so that two batches never
+        request order (heartbeat_tasks_v2: the tasks locked in id order, so that two batches never
         wait on each other in a cycle, then every held lease extended in one statement).
         """
 
