@@ -247,7 +247,7 @@ def test_batches_over_two_paid_tools_in_opposite_orders_never_deadlock(
 def test_a_batch_ends_its_held_runs_as_single_completes_would(
     stub: Stub, db: Db, tool_id: str
 ) -> None:
-    """CompleteTasks ends every held run in one statement (complete_tasks_v2): each ends as
+    """CompleteTasks ends every held run in one statement (complete_tasks_v3): each ends as
     CompleteTask would end it — `cancelled` when a cancel was asked for, its attempt closed with
     its cost, the tool's reservation released and its spend added (a cost above the estimate
     grows the share), the key's run of failures reset, one terminal event each — and an item
