@@ -58,6 +58,21 @@ def task(row: Row) -> task_pb2.Task:
     return message
 
 
+def queued_task(row: Row) -> task_pb2.Task:
+    """A task QueueTasks created: the columns its statement returns (what the service set)."""
+    message = task_pb2.Task(
+        id=str(row["id"]),
+        tool_id=str(row["tool_id"]),
+        status=STATUSES[row["status"]],
+        priority=row["priority"],
+        max_retries=row["max_retries"],
+        idempotency_key=row["idempotency_key"] or "",
+    )
+    for name in ("created_at", "run_at", "expires_at"):
+        timestamp(getattr(message, name), row[name])
+    return message
+
+
 def tool(row: Row) -> task_pb2.Tool:
     message = task_pb2.Tool(
         id=str(row["id"]),

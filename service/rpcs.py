@@ -193,7 +193,8 @@ def _queued(rows: list[Row]) -> list[Row]:
 def respond_queue_tasks(rows: list[Row]) -> task_pb2.QueueTasksResponse:
     queued = _queued(rows)
     return task_pb2.QueueTasksResponse(
-        tasks=[messages.task(row) for row in queued], skipped=rows[0]["submitted"] - len(queued)
+        tasks=[messages.queued_task(row) for row in queued],
+        skipped=rows[0]["submitted"] - len(queued),
     )
 
 

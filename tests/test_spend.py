@@ -927,7 +927,18 @@ def test_queue_tasks_enqueues_many_in_one_call(stub: Stub, sdb: Db) -> None:
     items.append(task_pb2.QueueTaskRequest(idempotency_key="taken"))
     answer = stub.QueueTasks(task_pb2.QueueTasksRequest(tool_id=tool_id, tasks=items))
     assert (len(answer.tasks), answer.skipped) == (200, 1)
-    assert [t.input["i"] for t in answer.tasks] == list(range(200))
+    # In item order, each with what the service set (not the input the item sent).
+    assert [t.priority for t in answer.tasks] == [i % 3 for i in range(200)]
+    assert {t.status for t in answer.tasks} == {task_pb2.TASK_STATUS_QUEUED}
+    assert not any(t.HasField("input") for t in answer.tasks)
+    stored = {
+        str(r["id"]): r["input"]["i"]
+        for r in sdb.execute(
+            "SELECT id, input FROM generation.tasks WHERE tool_id = %s AND input ? 'i'",
+            [tool_id],
+        ).fetchall()
+    }
+    assert [stored[t.id] for t in answer.tasks] == list(range(200))
     count = sdb.execute(
         "SELECT count(*) AS n FROM generation.tasks WHERE tool_id = %s", [tool_id]
     ).fetchone()

@@ -63,7 +63,8 @@ class Enqueued:
     """What `enqueue_many` queued."""
 
     tasks: list[task_pb2.Task] = field(default_factory=list)
-    """The tasks created, in the order of the items (those skipped left out)."""
+    """The tasks created, in the order of the items (those skipped left out): what the service
+    set (id, status, times, retries) with what each item sent (input, reservation, keys)."""
     skipped: int = 0
     """Items not queued because their idempotency_key was already used (the task it made
     stands; `get` or the key find it)."""
@@ -192,9 +193,9 @@ class GatewayClient:
                     for index in range(len(chunks)):
                         group.create_task(send(index))
             queued = Enqueued()
-            for answer in answers:
+            for chunk, answer in zip(chunks, answers, strict=True):
                 assert answer is not None  # every call answered, or raised
-                queued.tasks.extend(answer.tasks)
+                queued.tasks.extend(_created(chunk.tasks, answer.tasks))
                 queued.skipped += answer.skipped
             span.set_attribute("genq.skipped", queued.skipped)
             return queued
@@ -244,6 +245,29 @@ def _chunks(requests: list[task_pb2.QueueTaskRequest]) -> list[list[task_pb2.Que
         chunks[-1].append(request)
         size += weight
     return chunks
+
+
+def _created(
+    sent: Iterable[task_pb2.QueueTaskRequest], tasks: Iterable[task_pb2.Task]
+) -> list[task_pb2.Task]:
+    """The created tasks whole: QueueTasks answers each with what the service set, in item order
+    and without the items it skipped (those have an idempotency key, and a created task carries
+    its key), so each task meets its item in order; the item gives the fields it sent."""
+    created = []
+    answered = iter(tasks)
+    task = next(answered, None)
+    for request in sent:
+        if task is None:
+            break
+        if request.idempotency_key and task.idempotency_key != request.idempotency_key:
+            continue  # skipped: the key was used already
+        task.input.CopyFrom(request.input)
+        task.reserved_token_amount = request.reserved_token_amount
+        task.billing_idempotency_key = request.billing_idempotency_key
+        task.w3c_traceparent = request.w3c_traceparent
+        created.append(task)
+        task = next(answered, None)
+    return created
 
 
 def _queue_request(

@@ -734,7 +734,10 @@ class QueueTasksResponse(_message.Message):
     """Items skipped because their idempotency_key was already used."""
     @_builtins.property
     def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___Task]:
-        """The tasks created, in request order."""
+        """The tasks created, in request order, each with the fields the service set: id, tool_id,
+        status, priority, max_retries, created_at, run_at, expires_at and idempotency_key. The rest
+        is what the item sent (GetTask reads the whole row); the SDK's enqueue_many fills it in.
+        """
 
     def __init__(
         self,

@@ -244,7 +244,9 @@ class GenerationDataServiceServicer:
 
     def QueueTasks(self, request, context):
         """Enqueues many tasks of one tool in one statement. Items whose idempotency_key is already
-        used are skipped (their tasks are not returned).
+        used are skipped (their tasks are not returned). Each created task is answered with what the
+        service set, not with what the request sent (see QueueTasksResponse.tasks): a thousand whole
+        rows, inputs included, cost more to return and convert than to insert.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -54,7 +54,9 @@ class GenerationDataServiceStub:
     """
     QueueTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.QueueTasksRequest, _task_pb2.QueueTasksResponse]
     """Enqueues many tasks of one tool in one statement. Items whose idempotency_key is already
-    used are skipped (their tasks are not returned).
+    used are skipped (their tasks are not returned). Each created task is answered with what the
+    service set, not with what the request sent (see QueueTasksResponse.tasks): a thousand whole
+    rows, inputs included, cost more to return and convert than to insert.
     """
     ClaimNextTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.ClaimNextTaskRequest, _task_pb2.ClaimNextTaskResponse]
     """Claims the next task of a tool (generation.claim_tasks_v3 with a limit of 1: one UPDATE of
@@ -233,7 +235,9 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     """
     QueueTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.QueueTasksRequest, _task_pb2.QueueTasksResponse]  # type: ignore[assignment]
     """Enqueues many tasks of one tool in one statement. Items whose idempotency_key is already
-    used are skipped (their tasks are not returned).
+    used are skipped (their tasks are not returned). Each created task is answered with what the
+    service set, not with what the request sent (see QueueTasksResponse.tasks): a thousand whole
+    rows, inputs included, cost more to return and convert than to insert.
     """
     ClaimNextTask: _aio.UnaryUnaryMultiCallable[_task_pb2.ClaimNextTaskRequest, _task_pb2.ClaimNextTaskResponse]  # type: ignore[assignment]
     """Claims the next task of a tool (generation.claim_tasks_v3 with a limit of 1: one UPDATE of
@@ -427,7 +431,9 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.QueueTasksResponse, _abc.Awaitable[_task_pb2.QueueTasksResponse]]:
         """Enqueues many tasks of one tool in one statement. Items whose idempotency_key is already
-        used are skipped (their tasks are not returned).
+        used are skipped (their tasks are not returned). Each created task is answered with what the
+        service set, not with what the request sent (see QueueTasksResponse.tasks): a thousand whole
+        rows, inputs included, cost more to return and convert than to insert.
         """
 
     @_abc_1.abstractmethod
