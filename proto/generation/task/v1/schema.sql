@@ -1865,23 +1865,25 @@ BEGIN
               AND q.lease_token = item.lease_token AND q.claim_expires_at > now()
             RETURNING q.id, q AS task, item.ordinal, item.lease_token,
                       COALESCE(item.cost_nanos, 0) AS cost, item.resource_key),
-        -- Each run's attempt, found by its lease token; its outcome is read here, behind the
-        -- fence, so that no plan reads every running attempt through attempts_running_idx.
+        -- Each run's attempt, found by its lease token, with what its close needs; its outcome
+        -- is read here, behind the fence, so that no plan reads every running attempt through
+        -- attempts_running_idx.
         run AS MATERIALIZED (
-            SELECT a.task_id, a.attempt, a.outcome, done.lease_token
+            SELECT a.task_id, a.attempt, a.outcome, (done.task).status, done.resource_key,
+                   done.cost
             FROM done JOIN generation.attempts AS a
               ON a.lease_token = done.lease_token AND a.task_id = done.id),
         -- Each run's attempt closes with its cost (close_attempt_v2's step 3).
         closed AS (
             UPDATE generation.attempts AS a
-            SET outcome = (done.task).status::text::generation.attempt_outcome,
-                resource_key = COALESCE(done.resource_key, a.resource_key),
-                cost_nanos = a.cost_nanos + done.cost,
+            SET outcome = run.status::text::generation.attempt_outcome,
+                resource_key = COALESCE(run.resource_key, a.resource_key),
+                cost_nanos = a.cost_nanos + run.cost,
                 ended_at = COALESCE(a.ended_at, now())
-            FROM run JOIN done ON done.lease_token = run.lease_token
+            FROM run
             WHERE a.task_id = run.task_id AND a.attempt = run.attempt AND run.outcome = 'running'
             RETURNING a.tool_id, a.local_day, a.estimate_nanos, a.outcome, a.resource_key,
-                      done.cost),
+                      run.cost),
         -- Today's runs release their reservations and add their costs, per tool (step 4).
         money AS (
             SELECT t.id,
@@ -1923,9 +1925,14 @@ BEGIN
             SELECT done.id, (done.task).last_event_seq,
                    (done.task).status::text::generation.task_event_kind, '{}'
             FROM done
-            RETURNING *)
-        SELECT done.ordinal, done.task, to_jsonb(appended) AS event
-        FROM done JOIN appended ON appended.task_id = done.id
+            RETURNING *),
+        -- Each run's event by its task, in one value read once: a join of the two CTEs, which
+        -- the planner takes for one row each, would compare every pair.
+        events AS MATERIALIZED (
+            SELECT jsonb_object_agg(appended.task_id, to_jsonb(appended)) AS by_task
+            FROM appended)
+        SELECT done.ordinal, done.task, events.by_task -> done.id::text AS event
+        FROM done, events
     LOOP
         ended := ended || r.ordinal;
         ordinal := r.ordinal;
