@@ -8,14 +8,15 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import psycopg
 import pytest
 from google.protobuf import duration_pb2
 
 from generation.task.v1 import task_pb2
-from tests.conftest import ServiceProcess
+from tests.conftest import ServiceProcess, wait_for
 from tests.invariants import assert_invariants
 from tests.test_semantics import Db, Stub, queue, row
-from workers_sdk.errors import from_rpc_error
+from workers_sdk.errors import Reason, from_rpc_error
 
 
 def claim_many(
@@ -310,3 +311,41 @@ def test_a_batch_ends_its_held_runs_as_single_completes_would(
     ).fetchone()
     assert failures == {"consecutive_failures": 0}
     assert_invariants(db, tool_id)
+
+
+def test_a_batch_locks_two_leases_of_one_task_in_attempt_order(
+    stub: Stub, db: Db, tool_id: str, database_url: str
+) -> None:
+    """A batch naming a task's current lease before a stale one locks their attempts in
+    (task, attempt) order, as every transition does: a transaction that holds the first attempt
+    and then wants the second (a time-zone change locks today's attempts so) must not deadlock
+    with it. The review of alembic 0014 found lock_reported_v2 locking them in item order."""
+    task = queue(stub, tool_id)
+    first = claim_many(stub, tool_id, 1).tasks[0]
+    stub.ReleaseTask(task_pb2.ReleaseTaskRequest(task_id=task.id, lease_token=first.lease_token))
+    second = claim_many(stub, tool_id, 1).tasks[0]
+    assert second.task.id == task.id and second.task.attempt_count == 2
+    items = [
+        task_pb2.CompleteTaskRequest(task_id=task.id, lease_token=lease)
+        for lease in (second.lease_token, first.lease_token)  # current first, stale second
+    ]
+    attempt = "SELECT 1 FROM generation.attempts WHERE task_id = %s AND attempt = %s FOR UPDATE"
+    with psycopg.connect(database_url) as holder:
+        holder.execute(attempt, [task.id, 1])
+        with ThreadPoolExecutor(1) as pool:
+            batch = pool.submit(stub.CompleteTasks, task_pb2.CompleteTasksRequest(tasks=items))
+            waiting = (
+                "SELECT count(*) AS n FROM pg_stat_activity "
+                "WHERE wait_event_type = 'Lock' AND query LIKE '%%complete_tasks%%'"
+            )
+            wait_for(
+                lambda: db.execute(waiting).fetchone() == {"n": 1},
+                what="the batch waiting for the first attempt",
+            )
+            # The batch must not hold the second attempt while it waits for the first.
+            holder.execute("SET LOCAL lock_timeout = '5s'")
+            holder.execute(attempt, [task.id, 2])
+            holder.commit()
+            results = batch.result(timeout=30).results
+    assert [r.refused for r in results] == ["", Reason.LEASE_LOST.value]
+    assert row(db, task.id)["status"] == "completed"

@@ -32,43 +32,43 @@ branch_labels = None
 depends_on = None
 
 UPGRADE = r"""
--- As lock_reported_v1, each attempt found by its own lease token (one probe of the unique index
--- per item, in task-id order), and what the later locks need read from those rows: v1 joined the
--- ledger again for each of them, and a cached plan could read every attempt of the batch's tools
--- (alembic 0014).
+-- As lock_reported_v1, its rows found through index conditions on the batch's own keys
+-- (`= ANY` of its task ids, of its lease tokens), which bound the scans whatever the statistics
+-- say, and what the later locks need read from the attempts once: v1 joined the ledger again for
+-- each kind of row, and a cached plan could read every attempt of the batch's tools (alembic
+-- 0014).
 CREATE FUNCTION generation.lock_reported_v2(p_items jsonb) RETURNS void
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan SET enable_seqscan = off SET jit = off
 AS $$
 DECLARE
+    ids uuid[] := ARRAY(SELECT (x ->> 'task_id')::uuid FROM jsonb_array_elements(p_items) AS x);
+    tokens uuid[] := ARRAY(
+        SELECT (x ->> 'lease_token')::uuid FROM jsonb_array_elements(p_items) AS x);
     tools uuid[];
     grows boolean;
     keys text[];
     groups text[];
 BEGIN
     -- 1. The tasks, in id order.
-    PERFORM 1 FROM generation.tasks AS t
-    WHERE t.id IN (SELECT (x ->> 'task_id')::uuid FROM jsonb_array_elements(p_items) AS x)
-    ORDER BY t.id
-    FOR NO KEY UPDATE;
-    -- 2. Their attempts under the reported leases, in task-id order.
+    PERFORM 1 FROM generation.tasks AS t WHERE t.id = ANY (ids) ORDER BY t.id FOR NO KEY UPDATE;
+    -- 2. Their attempts under the reported leases, in key order (two leases of one task too).
     SELECT array_agg(DISTINCT r.tool_id) FILTER (
                WHERE r.outcome = 'running' AND r.estimate_nanos > 0 OR r.cost > 0),
            COALESCE(bool_or(r.cost > CASE WHEN r.outcome = 'running' THEN r.estimate_nanos
                                           ELSE 0 END), false),
            array_agg(DISTINCT r.resource_key), array_agg(DISTINCT r.account_group)
     INTO tools, grows, keys, groups
-    FROM (SELECT i.task_id, i.lease_token, COALESCE(i.cost_nanos, 0) AS cost, i.resource_key
-          FROM jsonb_to_recordset(p_items)
+    FROM (SELECT a.tool_id, a.outcome, a.estimate_nanos, a.account_group,
+                 COALESCE(i.cost_nanos, 0) AS cost,
+                 COALESCE(i.resource_key, a.resource_key) AS resource_key
+          FROM generation.attempts AS a
+          JOIN jsonb_to_recordset(p_items)
               AS i(task_id uuid, lease_token uuid, cost_nanos bigint, resource_key text)
-          ORDER BY i.task_id) AS i
-    CROSS JOIN LATERAL (
-        SELECT a.tool_id, a.outcome, a.estimate_nanos, a.account_group, i.cost,
-               COALESCE(i.resource_key, a.resource_key) AS resource_key
-        FROM generation.attempts AS a
-        WHERE a.lease_token = i.lease_token AND a.task_id = i.task_id
-        LIMIT 1
-        FOR NO KEY UPDATE) AS r;
+            ON i.lease_token = a.lease_token AND i.task_id = a.task_id
+          WHERE a.lease_token = ANY (tokens)
+          ORDER BY a.task_id, a.attempt
+          FOR NO KEY UPDATE OF a) AS r;
     -- 3. The tools money moves on (a reservation to release, a cost to add).
     PERFORM 1 FROM generation.tools AS tl WHERE tl.id = ANY (tools) ORDER BY tl.id
     FOR NO KEY UPDATE;
@@ -117,6 +117,7 @@ DECLARE
     today date;
     r record;
     ended integer[] := '{}';
+    ids uuid[] := ARRAY(SELECT (x ->> 'task_id')::uuid FROM jsonb_array_elements(p_items) AS x);
 BEGIN
     -- 1. Lock what the batch may change, in the lock order.
     PERFORM generation.lock_reported_v2(p_items);
@@ -143,7 +144,7 @@ BEGIN
             -- tasks_lease_held_while_processing), not yet lapsed. Naming the status would offer
             -- the planner tasks_in_flight_idx, every processing task, which statistics taken while
             -- few ran price at one row: read per batch, that cost 180 ms with 1,600 in flight.
-            WHERE q.id = item.task_id
+            WHERE q.id = item.task_id AND q.id = ANY (ids)
               AND q.lease_token = item.lease_token AND q.claim_expires_at > now()
             RETURNING q.id, q AS task, item.ordinal, item.lease_token,
                       COALESCE(item.cost_nanos, 0) AS cost, item.resource_key),
@@ -246,12 +247,11 @@ LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan SET enable_seqscan = off SET jit = off
 AS $$
 #variable_conflict use_column
+DECLARE
+    ids uuid[] := ARRAY(SELECT (x ->> 'task_id')::uuid FROM jsonb_array_elements(p_items) AS x);
 BEGIN
-    -- 1. Lock the tasks, then decide.
-    PERFORM 1 FROM generation.tasks AS t
-    WHERE t.id IN (SELECT (x ->> 'task_id')::uuid FROM jsonb_array_elements(p_items) AS x)
-    ORDER BY t.id
-    FOR NO KEY UPDATE;
+    -- 1. Lock the tasks, then decide (`= ANY` bounds the scan whatever the statistics say).
+    PERFORM 1 FROM generation.tasks AS t WHERE t.id = ANY (ids) ORDER BY t.id FOR NO KEY UPDATE;
     -- 2. Extend and confirm the leases still running; a cancel asked for is told to the worker.
     RETURN QUERY
     WITH item AS (
@@ -265,7 +265,7 @@ BEGIN
         FROM (SELECT DISTINCT task_id, lease_token FROM item) AS i, generation.tools AS tl
         -- Held: its lease token (set only while processing), not lapsed; as in
         -- complete_tasks_v3, no status here, or the plan may read every processing task.
-        WHERE q.id = i.task_id AND tl.id = q.tool_id
+        WHERE q.id = i.task_id AND q.id = ANY (ids) AND tl.id = q.tool_id
           AND q.lease_token = i.lease_token AND q.claim_expires_at > now()
         RETURNING q.id, q.lease_token, q.claim_expires_at,
                   COALESCE(tl.lease_seconds, p_lease_seconds) AS lease,
