@@ -9,9 +9,10 @@
    CompleteTasks of 160 items spent 180 ms of Postgres CPU, against 15 ms with 200 in flight.
    The new versions find the tasks by id and lease token (a lease token is set only while
    processing: CHECK tasks_lease_held_while_processing) and read the attempts' outcome behind a
-   MATERIALIZED fence. Their locks (`lock_reported_v2`, also under the new `fail_tasks_v2`) find
-   each attempt with one probe of its lease token: v1 joined the ledger once per kind of row it
-   locks, and a cached plan could read every attempt of the batch's tools.
+   MATERIALIZED fence; every scan carries `= ANY` of the batch's own ids or lease tokens, which
+   bounds it whatever plan is cached. Their locks (`lock_reported_v2`, also under the new
+   `fail_tasks_v2`) read the attempts once, in (task, attempt) order: v1 joined the ledger once
+   per kind of row it locks, and a cached plan could read every attempt of the batch's tools.
 2. `jit = off` on every PL/pgSQL function of the schema: `enable_seqscan = off` (0010) prices
    the one-row tables' scans at 10^10, so a session with JIT on (psql, a tool, pgbench without
    the service's settings) compiled every transition: a ClaimTasks of 100 took 9.5 s.
