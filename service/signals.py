@@ -338,7 +338,9 @@ class Signals:
                 backoff = min(RECONNECT_MAX_SECONDS, backoff * 2)
                 continue
             try:
-                await connection.execute(f"LISTEN {WAKE_CHANNEL}")
+                # Bounded like the checks below: a server frozen since the connect would hold
+                # the listener here for good, and parked claims would only hear their re-checks.
+                await self._bounded(connection, connection.execute(f"LISTEN {WAKE_CHANNEL}"))
                 log.info("listening for wakes on Postgres channel %s", WAKE_CHANNEL)
                 if lost:
                     self.tools.notify_all()  # wakes sent while it was away are lost: re-read
