@@ -279,20 +279,6 @@ BEGIN
     LEFT JOIN beat ON beat.id = item.task_id AND beat.lease_token = item.lease_token;
 END
 $$;
-
--- The same block ends schema.sql.
-DO $$
-DECLARE
-    f regprocedure;
-BEGIN
-    FOR f IN
-        SELECT p.oid::regprocedure FROM pg_proc AS p JOIN pg_language AS l ON l.oid = p.prolang
-        WHERE p.pronamespace = 'generation'::regnamespace AND l.lanname = 'plpgsql'
-    LOOP
-        EXECUTE format('ALTER FUNCTION %s SET jit = off', f);
-    END LOOP;
-END
-$$;
 """
 
 DOWNGRADE = r"""
@@ -300,7 +286,13 @@ DROP FUNCTION generation.complete_tasks_v3;
 DROP FUNCTION generation.fail_tasks_v2;
 DROP FUNCTION generation.lock_reported_v2;
 DROP FUNCTION generation.heartbeat_tasks_v2;
+"""
 
+
+def _on_every_transition(clause: str) -> str:
+    """ALTER FUNCTION ... `clause` for every PL/pgSQL function of the schema (schema.sql's closing
+    block sets the three settings the same way)."""
+    return f"""
 DO $$
 DECLARE
     f regprocedure;
@@ -309,7 +301,7 @@ BEGIN
         SELECT p.oid::regprocedure FROM pg_proc AS p JOIN pg_language AS l ON l.oid = p.prolang
         WHERE p.pronamespace = 'generation'::regnamespace AND l.lanname = 'plpgsql'
     LOOP
-        EXECUTE format('ALTER FUNCTION %s RESET jit', f);
+        EXECUTE format('ALTER FUNCTION %s {clause}', f);
     END LOOP;
 END
 $$;
@@ -317,8 +309,8 @@ $$;
 
 
 def upgrade() -> None:
-    op.execute(UPGRADE)
+    op.execute(UPGRADE + _on_every_transition("SET jit = off"))
 
 
 def downgrade() -> None:
-    op.execute(DOWNGRADE)
+    op.execute(DOWNGRADE + _on_every_transition("RESET jit"))
