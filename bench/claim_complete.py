@@ -11,11 +11,9 @@ In one run, on a database of its own (dropped at the end):
    connections, autocommit, prepared statements, the session settings of the service's pool.
 3. pgbench (if installed): the same two statements from pgbench, in C, as the guide's bar
    names it (`-M prepared`, same client count); tells how much the Python client costs in 2.
-4. hop: the least a gRPC service in Python can be, as the ceiling the grpc phase is held to:
-   grpc.aio serving the two methods (as many processes as the service runs, on one port) and a
-   psycopg pool (the service's size) running the very statements, bound and answered by the
-   service's own `BINDINGS`, and nothing else: no caller check, metrics, tracing, audit, claim
-   shield or error mapping. The grpc phase's clients call it. `--phases hop` alone runs it.
+4. hop: the grpc phase's clients against `bench/hop.py` instead of the service: the least a
+   gRPC service in Python can be in front of the same statements (grpc.aio, a psycopg pool and
+   the service's own `BINDINGS`, nothing else), the ceiling the grpc phase is held to.
 
 Before each phase the queue is reloaded (TRUNCATE, the same N tasks over 4 tools, VACUUM ANALYZE
 of the database, CHECKPOINT), so each sees the same backlog. synchronous_commit is forced on for
@@ -67,7 +65,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from psycopg import sql
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
-from psycopg_pool import AsyncConnectionPool
 
 from generation.task.v1 import task_pb2
 from service import migrations
@@ -98,6 +95,8 @@ PHASES = ("grpc", "raw", "pgbench", "hop")
 BAR = 0.5
 """GUIDE.md section 4: grpc tasks/s >= 0.5 x raw SQL doing the same two statements."""
 METHOD = "/generation.task.v1.GenerationDataService/{}"
+HOP = Path(__file__).resolve().parent / "hop.py"
+"""The hop phase's server (its docstring)."""
 
 
 # --- the database -------------------------------------------------------------------------------
@@ -206,7 +205,8 @@ def free_port() -> int:
 class Service:
     """`python -m service serve` as an operator runs it, on a free port; its log in a temp file."""
 
-    def __init__(self, url: str, env: dict[str, str]) -> None:
+    def __init__(self, url: str, env: dict[str, str], script: Path | None = None) -> None:
+        """`script`: a program run instead of `-m service serve` (bench/hop.py), same settings."""
         self.address = f"127.0.0.1:{free_port()}"
         inherited = {k: v for k, v in os.environ.items() if k not in UNSET_FOR_SERVICE}
         self.env = {
@@ -220,7 +220,7 @@ class Service:
         self.log_path = Path(tempfile.mkstemp(prefix="genq_bench_serve_", suffix=".log")[1])
         self.log = self.log_path.open("wb")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "service", "serve"],
+            [sys.executable, str(script)] if script else [sys.executable, "-m", "service", "serve"],
             env=self.env,
             cwd=ROOT,
             stdout=self.log,
@@ -261,87 +261,6 @@ class Service:
             self.log_path.unlink(missing_ok=True)
         else:
             print(f"genq serve exited with {self.process.returncode}; log: {self.log_path}")
-
-
-# --- the hop: gRPC in front of the statements, nothing else ------------------------------------
-
-
-@dataclass(frozen=True)
-class Hop:
-    url: str
-    port: int
-    settings: Settings
-
-
-def hop_server(hop: Hop, pipe: Connection) -> None:
-    """One process of the hop (see the module's docstring, phase 4): "ready" over the pipe once
-    serving, then serves until killed."""
-
-    async def main() -> None:
-        pool: AsyncConnectionPool[psycopg.AsyncConnection[dict[str, Any]]] = AsyncConnectionPool(
-            hop.url,
-            min_size=hop.settings.pool_max_size,
-            max_size=hop.settings.pool_max_size,
-            kwargs={
-                "autocommit": True,
-                "prepare_threshold": 0,
-                "row_factory": dict_row,
-                "options": session_options(hop.settings),
-            },
-            open=False,
-        )
-        await pool.open(wait=True)
-
-        def method(name: str, request_type: Any) -> Any:
-            statement, binding = STATEMENTS[name], BINDINGS[name]
-
-            async def handle(request: Any, context: Any) -> Any:
-                params = binding.bind(request, hop.settings)
-                async with pool.connection() as connection:
-                    cursor = await connection.execute(statement, params)
-                    rows = await cursor.fetchall()
-                return binding.respond(rows)
-
-            return grpc.unary_unary_rpc_method_handler(
-                handle,
-                request_deserializer=request_type.FromString,
-                response_serializer=lambda message: message.SerializeToString(),
-            )
-
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
-        server.add_generic_rpc_handlers(
-            (
-                grpc.method_handlers_generic_handler(
-                    "generation.task.v1.GenerationDataService",
-                    {
-                        "ClaimNextTask": method("ClaimNextTask", task_pb2.ClaimNextTaskRequest),
-                        "CompleteTask": method("CompleteTask", task_pb2.CompleteTaskRequest),
-                    },
-                ),
-            )
-        )
-        server.add_insecure_port(f"127.0.0.1:{hop.port}")
-        await server.start()
-        pipe.send("ready")
-        await server.wait_for_termination()
-
-    asyncio.run(main())
-
-
-@contextmanager
-def hop_servers(url: str, settings: Settings) -> Iterator[tuple[str, list[int]]]:
-    """settings.processes hop processes on one free port: (address, their pids)."""
-    hop = Hop(url, free_port(), settings)
-    servers = [spawn(hop_server, hop) for _ in range(settings.processes)]
-    try:
-        for _, pipe in servers:
-            if not pipe.poll(60) or pipe.recv() != "ready":
-                raise SystemExit("a hop server did not start")
-        yield f"127.0.0.1:{hop.port}", [process.pid for process, _ in servers if process.pid]
-    finally:
-        for process, _ in servers:
-            process.kill()
-        reap(servers)
 
 
 # --- client workers (each a process of its own) ------------------------------------------------
@@ -548,8 +467,8 @@ class CpuMeter:
     """CPU seconds used between two snapshots by the service, the clients, Postgres (the backends
     of the bench database and the server's background processes), and the whole machine."""
 
-    def __init__(self, service_pids: list[int], client_pids: list[int], url: str | None):
-        self.groups: dict[str, list[int]] = {"service": service_pids}
+    def __init__(self, service_pid: int | None, client_pids: list[int], url: str | None):
+        self.groups: dict[str, list[int]] = {"service": [service_pid] if service_pid else []}
         self.groups["clients"] = client_pids
         self.url = url
         self.start: dict[int, float] = {}
@@ -679,7 +598,7 @@ def run_clients(
     args: argparse.Namespace,
     target: str,
     settings: Settings,
-    service_pids: list[int],
+    service_pid: int | None,
     url: str,
 ) -> Result:
     """K loops over P client processes, all started together on one measured window.
@@ -710,7 +629,7 @@ def run_clients(
         window = Window(begin, begin + args.warmup, begin + args.warmup + args.seconds)
         for _, pipe in workers:
             pipe.send(window)
-        meter = CpuMeter(service_pids, [p.pid for p, _ in workers if p.pid], url)
+        meter = CpuMeter(service_pid, [p.pid for p, _ in workers if p.pid], url)
         time.sleep(max(0.0, window.measure - time.monotonic()))
         meter.begin()
         time.sleep(max(0.0, window.end - time.monotonic()))
@@ -820,7 +739,7 @@ def run_pgbench(
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
         )
-        meter = CpuMeter([], [process.pid], url)
+        meter = CpuMeter(None, [process.pid], url)
         started = time.time()
         time.sleep(args.warmup)
         meter.begin()
@@ -958,7 +877,7 @@ def compare_processes(args: argparse.Namespace, service_env: dict[str, str]) -> 
             try:
                 service.wait_serving()
                 result = run_clients(
-                    "grpc", args, service.address, service.settings(), [service.process.pid], url
+                    "grpc", args, service.address, service.settings(), service.process.pid, url
                 )
             finally:
                 service.stop()
@@ -1002,13 +921,19 @@ def main(argv: list[str] | None = None) -> int:
                 load_queue(url, args.tasks)
                 if phase == "grpc":
                     result = run_clients(
-                        "grpc", args, service.address, settings, [service.process.pid], url
+                        "grpc", args, service.address, settings, service.process.pid, url
                     )
                 elif phase == "raw":
-                    result = run_clients("raw", args, url, settings, [service.process.pid], url)
+                    result = run_clients("raw", args, url, settings, service.process.pid, url)
                 elif phase == "hop":
-                    with hop_servers(url, settings) as (address, pids):
-                        result = run_clients("hop", args, address, settings, pids, url)
+                    hop = Service(url, service_env, HOP)
+                    try:
+                        hop.wait_serving()
+                        result = run_clients(
+                            "hop", args, hop.address, settings, hop.process.pid, url
+                        )
+                    finally:
+                        hop.stop()
                 else:
                     result = run_pgbench(args, url, settings)
                 report(result, args.clients)

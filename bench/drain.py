@@ -30,6 +30,10 @@ One run, in this order, each phase on a quiet database (CHECKPOINT first):
    service, the workers and the whole machine used (with psutil, which the service extra has).
 3. genq enqueue with `--enqueue-concurrency` calls in flight (default 4), once more, alone.
 
+With `--hop`, step 2 and 3 run against `bench/hop.py` (same settings) instead of `genq serve`: the
+same clients in front of the least a Python gRPC service can be around the same statements, so
+the ratios it prints are the ceiling of bars 1 and 2 for any such service on this machine.
+
 Durability stays on for both: synchronous_commit = on for each bench database. The ratios
 printed are the bars: drain >= 2 x PGQueuer batch 10, enqueue >= 1 x PGQueuer's enqueue.
 
@@ -80,7 +84,7 @@ from psycopg import sql
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script: the project's packages, not an installed copy
 
-from bench.claim_complete import ADMIN_URL, Service, split, url_for  # noqa: E402
+from bench.claim_complete import ADMIN_URL, HOP, Service, split, url_for  # noqa: E402
 from generation.task.v1 import task_pb2  # noqa: E402
 from service import migrations  # noqa: E402
 from workers_sdk import GatewayClient, GenqClient, TaskContext, WorkerFleet  # noqa: E402
@@ -428,12 +432,13 @@ def genq_service(args: argparse.Namespace) -> Iterator[tuple[str, Service, str]]
         migrations.upgrade(url)
         execute(url, f"UPDATE generation.settings SET daily_cap_nanos = {CAP}")
         print(f"postgres: {server_settings(url)}")
-        service = Service(url, env)
+        service = Service(url, env, HOP if args.hop else None)
         service.wait_serving()
         try:
             processes = env.get("GENQ_PROCESSES", str(os.cpu_count() or 1))
             default = "" if "GENQ_PROCESSES" in env else " (its default)"
-            print(f"genq serve at {service.address}, GENQ_PROCESSES={processes}{default}")
+            serve = "bench/hop.py (--hop: the ceiling)" if args.hop else "genq serve"
+            print(f"{serve} at {service.address}, GENQ_PROCESSES={processes}{default}")
             yield url, service, asyncio.run(upsert_tool(service.address))
         finally:
             service.stop()
@@ -562,6 +567,12 @@ def main() -> None:
         "--pgqueuer-batch", type=lambda v: [int(n) for n in v.split(",")], default=[10]
     )
     parser.add_argument("--skip-pgqueuer", action="store_true")
+    parser.add_argument(
+        "--hop",
+        action="store_true",
+        help="serve genq's phases with bench/hop.py instead of genq serve: the ceiling of a "
+        "Python gRPC service in front of the same statements (see its docstring)",
+    )
     parser.add_argument(
         "--paid", action="store_true", help="only the paid vs unpaid drains (see the docstring)"
     )

@@ -1,0 +1,114 @@
+"""The hop: the least a gRPC service in Python can be in front of genq's statements, as the
+ceiling the service's own figures are held to (docs/BENCHMARKS.md, "The ceiling of a Python hop").
+
+    DATABASE_URL=... GENQ_PORT=... .venv/bin/python bench/hop.py
+
+It reads the settings `genq serve` reads (the database, the port, GENQ_PROCESSES, the pool's
+size) and serves every unary RPC of GenerationDataService the way the service runs it, minus all
+that is not the statement: grpc.aio (GENQ_PROCESSES processes on one port, as `genq serve`), a
+psycopg pool per process (the service's size and session settings), and for each call the
+service's own `BINDINGS` (check and bind the request, answer from the rows) around its `sql`
+option. Nothing else: no caller check, scope or audit, no metrics, tracing or logs, no error
+mapping (a failure is UNKNOWN), no claim shield, no waits (a claim that finds nothing answers at
+once) and no wakes. Health answers SERVING, so the benches start it as they start `genq serve`.
+
+Not a server to run anything on: it is for `bench/claim_complete.py --phases hop` and
+`bench/drain.py --hop`, which drive it with the very clients they drive the service with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import grpc
+import psycopg
+from google.protobuf import message_factory
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from psycopg.rows import dict_row
+from psycopg_pool import AsyncConnectionPool
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script
+
+from service.rpcs import BINDINGS, SERVICE, STATEMENTS
+from service.settings import Settings
+
+
+def handlers(
+    pool: AsyncConnectionPool[psycopg.AsyncConnection[dict[str, Any]]], settings: Settings
+) -> grpc.GenericRpcHandler:
+    """Every unary method: bind, run its statement on a pooled connection, answer."""
+    methods = {}
+    for method in SERVICE.methods:
+        if method.server_streaming:
+            continue
+        statement, binding = STATEMENTS[method.name], BINDINGS[method.name]
+
+        async def handle(
+            request: Any, context: Any, statement: str = statement, binding: Any = binding
+        ) -> Any:
+            params = binding.bind(request, settings)
+            async with pool.connection() as connection:
+                cursor = await connection.execute(statement, params)
+                rows = await cursor.fetchall()
+            return binding.respond(rows)
+
+        methods[method.name] = grpc.unary_unary_rpc_method_handler(
+            handle,
+            request_deserializer=message_factory.GetMessageClass(method.input_type).FromString,
+            response_serializer=lambda message: message.SerializeToString(),
+        )
+    return grpc.method_handlers_generic_handler(SERVICE.full_name, methods)
+
+
+async def serve(settings: Settings) -> None:
+    pool: AsyncConnectionPool[psycopg.AsyncConnection[dict[str, Any]]] = AsyncConnectionPool(
+        settings.database_url or "",
+        min_size=settings.pool_max_size,
+        max_size=settings.pool_max_size,
+        kwargs={
+            "autocommit": True,
+            "prepare_threshold": 0,
+            "row_factory": dict_row,
+            "options": f"-c jit=off -c statement_timeout={settings.statement_timeout_ms}",
+        },
+        open=False,
+    )
+    await pool.open(wait=True)
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
+    server.add_generic_rpc_handlers((handlers(pool, settings),))
+    checks = health.aio.HealthServicer()
+    await checks.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(checks, server)
+    server.add_insecure_port(f"{settings.host}:{settings.port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+def run(settings: Settings) -> None:
+    # Stopped as `genq serve` is (SIGTERM), it exits 0, so a bench reads a clean stop as one.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    asyncio.run(serve(settings))
+
+
+def main() -> None:
+    settings = Settings.from_env()
+    if not settings.database_url or not settings.port:
+        raise SystemExit("set DATABASE_URL and GENQ_PORT (a port of its own, not 0)")
+    spawn = multiprocessing.get_context("spawn")
+    # Children of this process, so a bench's CPU meter counts them with it (as `genq serve`'s).
+    children = [
+        spawn.Process(target=run, args=(settings,), daemon=True)
+        for _ in range(settings.processes - 1)
+    ]
+    for child in children:
+        child.start()
+    run(settings)
+
+
+if __name__ == "__main__":
+    main()
