@@ -34,7 +34,7 @@ format: ## Format the code with ruff
 	.venv/bin/ruff format .
 	.venv/bin/ruff check --fix .
 
-bench: .venv/.installed ## Claim+complete over gRPC against the same SQL through psycopg
+bench: .venv/.installed ## Single-task path: the service against psycopg, pgbench and its ceiling (bench/hop.py)
 	$(PY) bench/claim_complete.py
 
 .PHONY: help install proto serve test lint format bench
