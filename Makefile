@@ -34,7 +34,7 @@ format: ## Format the code with ruff
 	.venv/bin/ruff format .
 	.venv/bin/ruff check --fix .
 
-bench: .venv/.installed ## Single-task path: the service against psycopg, pgbench and its ceiling (bench/hop.py)
+bench: .venv/.installed ## Single-task path: the service against psycopg, pgbench and itself without middleware
 	$(PY) bench/claim_complete.py
 
 .PHONY: help install proto serve test lint format bench

@@ -11,9 +11,9 @@ In one run, on a database of its own (dropped at the end):
    connections, autocommit, prepared statements, the session settings of the service's pool.
 3. pgbench (if installed): the same two statements from pgbench, in C, as the guide's bar
    names it (`-M prepared`, same client count); tells how much the Python client costs in 2.
-4. hop: the grpc phase's clients against `bench/hop.py` instead of the service: the least a
-   gRPC service in Python can be in front of the same statements (grpc.aio, a psycopg pool and
-   the service's own `BINDINGS`, nothing else), the ceiling the grpc phase is held to.
+4. hop: the grpc phase's clients against `bench/hop.py` instead of the service: the service
+   without its middleware (grpc.aio, a psycopg pool and the service's own `BINDINGS` around the
+   same statements, nothing else), which tells what the middleware costs.
 
 Before each phase the queue is reloaded (TRUNCATE, the same N tasks over 4 tools, VACUUM ANALYZE
 of the database, CHECKPOINT), so each sees the same backlog. synchronous_commit is forced on for
@@ -952,7 +952,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("raw", "pgbench"):
             if name in results and results[name].tasks_per_second:
                 ratio = results["hop"].tasks_per_second / results[name].tasks_per_second
-                print(f"ceiling: ratio hop / {results[name].name}: {ratio:.2f}")
+                print(f"without the middleware: ratio hop / {results[name].name}: {ratio:.2f}")
     # A missed bar is a figure, not a failure; errors or a drained queue make the run invalid.
     return 1 if any(r.errors or r.empty_claims for r in results.values()) else 0
 

@@ -1,5 +1,5 @@
-"""The hop: the least a gRPC service in Python can be in front of genq's statements, as the
-ceiling the service's own figures are held to (docs/BENCHMARKS.md, "The ceiling of a Python hop").
+"""The hop: the service without its middleware, to tell what the middleware costs from what
+grpcio, psycopg, the bindings and the statements cost (docs/BENCHMARKS.md, "fourth round").
 
     DATABASE_URL=... GENQ_PORT=... .venv/bin/python bench/hop.py
 
@@ -10,7 +10,8 @@ psycopg pool per process (the service's size and session settings), and for each
 service's own `BINDINGS` (check and bind the request, answer from the rows) around its `sql`
 option. Nothing else: no caller check, scope or audit, no metrics, tracing or logs, no error
 mapping (a failure is UNKNOWN), no claim shield, no waits (a claim that finds nothing answers at
-once) and no wakes. Health answers SERVING, so the benches start it as they start `genq serve`.
+once) and no wakes. Health answers SERVING once every process listens, so the benches start it
+as they start `genq serve`. One lean implementation, not the least any design could be.
 
 Not a server to run anything on: it is for `bench/claim_complete.py --phases hop` and
 `bench/drain.py --hop`, which drive it with the very clients they drive the service with.
@@ -22,6 +23,7 @@ import asyncio
 import multiprocessing
 import signal
 import sys
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +67,8 @@ def handlers(
     return grpc.method_handlers_generic_handler(SERVICE.full_name, methods)
 
 
-async def serve(settings: Settings) -> None:
+async def serve(settings: Settings, ready: Connection | None) -> None:
+    """One process: serves until stopped; says "ready" over `ready` once it listens."""
     pool: AsyncConnectionPool[psycopg.AsyncConnection[dict[str, Any]]] = AsyncConnectionPool(
         settings.database_url or "",
         min_size=settings.pool_max_size,
@@ -86,13 +89,24 @@ async def serve(settings: Settings) -> None:
     health_pb2_grpc.add_HealthServicer_to_server(checks, server)
     server.add_insecure_port(f"{settings.host}:{settings.port}")
     await server.start()
-    await server.wait_for_termination()
+    try:
+        if ready is None:
+            await server.wait_for_termination()
+            return
+        ready.send("ready")
+        # A child ends with its parent, even a killed one: the pipe then reads as closed.
+        closed = asyncio.Event()
+        asyncio.get_running_loop().add_reader(ready.fileno(), closed.set)
+        await closed.wait()
+    finally:
+        await server.stop(None)
+        await pool.close()
 
 
-def run(settings: Settings) -> None:
+def run(settings: Settings, ready: Connection | None = None) -> None:
     # Stopped as `genq serve` is (SIGTERM), it exits 0, so a bench reads a clean stop as one.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    asyncio.run(serve(settings))
+    asyncio.run(serve(settings, ready))
 
 
 def main() -> None:
@@ -101,12 +115,14 @@ def main() -> None:
         raise SystemExit("set DATABASE_URL and GENQ_PORT (a port of its own, not 0)")
     spawn = multiprocessing.get_context("spawn")
     # Children of this process, so a bench's CPU meter counts them with it (as `genq serve`'s).
-    children = [
-        spawn.Process(target=run, args=(settings,), daemon=True)
-        for _ in range(settings.processes - 1)
-    ]
-    for child in children:
-        child.start()
+    # The parent listens (and answers health) only once every child does, so no client's
+    # connection lands on a port fewer processes share.
+    pipes = [spawn.Pipe() for _ in range(settings.processes - 1)]
+    for _, theirs in pipes:
+        spawn.Process(target=run, args=(settings, theirs), daemon=True).start()
+    for ours, _ in pipes:
+        if not ours.poll(60) or ours.recv() != "ready":
+            raise SystemExit("a hop process did not start")
     run(settings)
 
 
