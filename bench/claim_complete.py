@@ -406,18 +406,28 @@ async def run_job(job: Job, pipe: Connection) -> Tally:
     tallies = [Tally() for _ in range(job.loops)]
     rngs = [random.Random(job.seed * 1000 + n) for n in range(job.loops)]
     if job.kind == "grpc":
-        async with grpc.aio.insecure_channel(job.target) as channel:
-            await asyncio.wait_for(channel.channel_ready(), 10)
-            rpcs = Rpcs(channel)
+        # A connection per loop, as pgbench and the raw phase have: grpcio would otherwise share
+        # one between a process's channels, and a process's loops would all land on whichever
+        # service process SO_REUSEPORT gave that one connection to.
+        channels = [
+            grpc.aio.insecure_channel(job.target, options=[("grpc.use_local_subchannel_pool", 1)])
+            for _ in range(job.loops)
+        ]
+        try:
+            for channel in channels:
+                await asyncio.wait_for(channel.channel_ready(), 10)
             pipe.send("ready")
             window: Window = await asyncio.to_thread(pipe.recv)
             await asyncio.gather(
                 *(
-                    grpc_loop(rpcs, job, rng, window, t)
-                    for rng, t in zip(rngs, tallies, strict=True)
+                    grpc_loop(Rpcs(channel), job, rng, window, t)
+                    for channel, rng, t in zip(channels, rngs, tallies, strict=True)
                 )
             )
             await asyncio.to_thread(pipe.recv)  # "finish": the CPU meter has read its end
+        finally:
+            for channel in channels:
+                await channel.close()
     else:
         connections = [
             await psycopg.AsyncConnection.connect(
