@@ -3,6 +3,7 @@ serves /metrics for all of them, stops them together, and fails when one dies.""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -22,6 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from generation.task.v1 import task_pb2, task_pb2_grpc
 from tests.conftest import ROOT, Databases, ServiceProcess, free_port, url_for, wait_for
+from tests.tcp_proxy import TcpProxy
+from workers_sdk.client import GenqClient
 
 SERVING = re.compile(r"(\d+) service processes serving gRPC on port (\d+) \(pids ([\d, ]+)\)")
 
@@ -247,3 +250,23 @@ def test_a_port_in_use_fails_the_start(database_url: str, tmp_path: Path) -> Non
         )
     assert result.returncode != 0
     assert f"GENQ_PORT: cannot listen on 127.0.0.1:{port}" in result.stderr
+
+
+def test_one_sdk_client_takes_turns_on_connections_of_its_own(host: Host) -> None:
+    """GenqClient's calls take turns on `connections` TCP connections, so one fleet or gateway
+    reaches several of the host's processes (SO_REUSEPORT spreads connections, not calls)."""
+    proxy = TcpProxy(("127.0.0.1", host.service.port))
+    proxy.start()
+
+    async def calls(connections: int) -> int:
+        before = len(proxy.connections)
+        async with GenqClient(f"127.0.0.1:{proxy.port}", connections=connections) as client:
+            for _ in range(2 * connections):
+                await client.call("GetSettings", task_pb2.GetSettingsRequest())
+            return (len(proxy.connections) - before) // 2  # a client socket and its upstream
+
+    try:
+        assert asyncio.run(calls(3)) == 3
+        assert asyncio.run(calls(1)) == 1
+    finally:
+        proxy.cut()

@@ -10,6 +10,7 @@ is bigger, and the service sizes what it sends, not the client.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
@@ -64,7 +65,7 @@ class Credentials:
     def tls(self) -> bool:
         return bool(self.ca_file or self.client_cert_file)
 
-    def channel(self, target: str) -> grpc.aio.Channel:
+    def channel(self, target: str, options: tuple[tuple[str, Any], ...] = ()) -> grpc.aio.Channel:
         # Checked before TLS is decided: a key alone must not leave the link in plaintext.
         if bool(self.client_cert_file) != bool(self.client_key_file):
             raise ValueError(
@@ -72,7 +73,7 @@ class Credentials:
                 "(GENQ_TLS_CLIENT_CERT_FILE, GENQ_TLS_CLIENT_KEY_FILE)"
             )
         if not self.tls:
-            return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+            return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS + options)
         return grpc.aio.secure_channel(
             target,
             grpc.ssl_channel_credentials(
@@ -80,7 +81,7 @@ class Credentials:
                 private_key=_read(self.client_key_file),
                 certificate_chain=_read(self.client_cert_file),
             ),
-            options=CHANNEL_OPTIONS,
+            options=CHANNEL_OPTIONS + options,
         )
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
@@ -92,9 +93,12 @@ def _read(path: str | None) -> bytes | None:
 
 
 class GenqClient:
-    """One channel to the data plane. Use `await client.call("QueueTask", request)`.
+    """The connections to the data plane. Use `await client.call("QueueTask", request)`.
 
     `credentials` default to `Credentials.from_env()` (GENQ_TOKEN, GENQ_TLS_CA_FILE, ...).
+    `connections` (2): HTTP/2 connections the unary calls take turns on. A connection stays with
+    the service process (`GENQ_PROCESSES`) or replica it first reached, so one connection would
+    give a whole fleet to one process; streams use the first.
     """
 
     def __init__(
@@ -103,18 +107,30 @@ class GenqClient:
         *,
         timeout: float = 10.0,
         credentials: Credentials | None = None,
+        connections: int = 2,
     ) -> None:
+        if connections < 1:
+            raise ValueError("connections must be at least 1")
         self.target = target
         self.timeout = timeout
         self.credentials = Credentials.from_env() if credentials is None else credentials
-        self.channel = self.credentials.channel(target)
+        # A subchannel pool of its own each: grpcio otherwise shares one connection between
+        # channels to the same target.
+        self.channels = [
+            self.credentials.channel(target, (("grpc.use_local_subchannel_pool", 1),))
+            for _ in range(connections)
+        ]
+        self.channel = self.channels[0]
         self.stub = task_pb2_grpc.GenerationDataServiceStub(self.channel)
+        self._stubs = itertools.cycle(
+            [task_pb2_grpc.GenerationDataServiceStub(channel) for channel in self.channels]
+        )
         self._auth = self.credentials.metadata()
 
     async def call(self, method: str, request: Message, *, timeout: float | None = None) -> Any:
         """Calls a unary RPC; a failure raises GenqError (LeaseLost for a lost lease)."""
         try:
-            return await getattr(self.stub, method)(
+            return await getattr(next(self._stubs), method)(
                 request, timeout=timeout or self.timeout, metadata=self._auth + trace_metadata()
             )
         except grpc.RpcError as error:
@@ -133,7 +149,8 @@ class GenqClient:
             raise from_rpc_error(error) from None
 
     async def close(self) -> None:
-        await self.channel.close()
+        for channel in self.channels:
+            await channel.close()
 
     async def __aenter__(self) -> GenqClient:
         return self
