@@ -31,17 +31,18 @@ import grpc
 import psycopg
 from google.protobuf import message_factory
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script
 
+from service.database import Database
+from service.messages import Row
 from service.rpcs import BINDINGS, SERVICE, STATEMENTS
 from service.settings import Settings
 
 
 def handlers(
-    pool: AsyncConnectionPool[psycopg.AsyncConnection[dict[str, Any]]], settings: Settings
+    pool: AsyncConnectionPool[psycopg.AsyncConnection[Row]], settings: Settings
 ) -> grpc.GenericRpcHandler:
     """Every unary method: bind, run its statement on a pooled connection, answer."""
     methods = {}
@@ -69,18 +70,9 @@ def handlers(
 
 async def serve(settings: Settings, ready: Connection | None) -> None:
     """One process: serves until stopped; says "ready" over `ready` once it listens."""
-    pool: AsyncConnectionPool[psycopg.AsyncConnection[dict[str, Any]]] = AsyncConnectionPool(
-        settings.database_url or "",
-        min_size=settings.pool_max_size,
-        max_size=settings.pool_max_size,
-        kwargs={
-            "autocommit": True,
-            "prepare_threshold": 0,
-            "row_factory": dict_row,
-            "options": f"-c jit=off -c statement_timeout={settings.statement_timeout_ms}",
-        },
-        open=False,
-    )
+    # The service's own pool (size, session settings, keepalives), without Database.fetch's
+    # bounds around each statement.
+    pool = Database(settings.database_url or "", settings).pool
     await pool.open(wait=True)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
     server.add_generic_rpc_handlers((handlers(pool, settings),))
