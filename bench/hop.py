@@ -5,8 +5,8 @@ grpcio, psycopg, the bindings and the statements cost (docs/BENCHMARKS.md, "four
 
 It reads the settings `genq serve` reads (the database, the port, GENQ_PROCESSES, the pool's
 size) and serves every unary RPC of GenerationDataService the way the service runs it, minus all
-that is not the statement: grpc.aio (GENQ_PROCESSES processes on one port, as `genq serve`), a
-psycopg pool per process (the service's size and session settings), and for each call the
+that is not the statement: grpc.aio (GENQ_PROCESSES processes on one port, as `genq serve`), the
+service's own psycopg pool (`Database`) per process, used directly, and for each call the
 service's own `BINDINGS` (check and bind the request, answer from the rows) around its `sql`
 option. Nothing else: no caller check, scope or audit, no metrics, tracing or logs, no error
 mapping (a failure is UNKNOWN), no claim shield, no waits (a claim that finds nothing answers at
