@@ -6,6 +6,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from google.protobuf import struct_pb2, timestamp_pb2
+from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
 from generation.task.v1 import task_pb2
 
@@ -58,19 +59,32 @@ def task(row: Row) -> task_pb2.Task:
     return message
 
 
-def queued_task(row: Row) -> task_pb2.Task:
-    """A task QueueTasks created: the columns its statement returns (what the service set)."""
-    message = task_pb2.Task(
-        id=str(row["id"]),
-        tool_id=str(row["tool_id"]),
-        status=STATUSES[row["status"]],
-        priority=row["priority"],
-        max_retries=row["max_retries"],
-        idempotency_key=row["idempotency_key"] or "",
-    )
-    for name in ("created_at", "run_at", "expires_at"):
-        timestamp(getattr(message, name), row[name])
-    return message
+def queued_tasks(target: RepeatedCompositeFieldContainer[task_pb2.Task], rows: list[Row]) -> None:
+    """Appends the tasks QueueTasks created: the columns its statement returns (what the service
+    set). One statement's rows share its clock reading (created_at, and run_at and expires_at
+    unless an item set them), so each moment is converted once."""
+    moments: dict[datetime, timestamp_pb2.Timestamp] = {}
+
+    def moment(value: datetime | None) -> timestamp_pb2.Timestamp | None:
+        if value is None:
+            return None
+        if (converted := moments.get(value)) is None:
+            converted = moments[value] = timestamp_pb2.Timestamp()
+            timestamp(converted, value)
+        return converted
+
+    for row in rows:
+        target.add(
+            id=row["id"],
+            tool_id=row["tool_id"],
+            status=STATUSES[row["status"]],
+            priority=row["priority"],
+            max_retries=row["max_retries"],
+            idempotency_key=row["idempotency_key"] or "",
+            created_at=moment(row["created_at"]),
+            run_at=moment(row["run_at"]),
+            expires_at=moment(row["expires_at"]),
+        )
 
 
 def tool(row: Row) -> task_pb2.Tool:

@@ -199,10 +199,9 @@ def _queued(rows: list[Row]) -> list[Row]:
 
 def respond_queue_tasks(rows: list[Row]) -> task_pb2.QueueTasksResponse:
     queued = _queued(rows)
-    return task_pb2.QueueTasksResponse(
-        tasks=[messages.queued_task(row) for row in queued],
-        skipped=rows[0]["submitted"] - len(queued),
-    )
+    response = task_pb2.QueueTasksResponse(skipped=rows[0]["submitted"] - len(queued))
+    messages.queued_tasks(response.tasks, queued)
+    return response
 
 
 def respond_queue_task(rows: list[Row]) -> task_pb2.QueueTaskResponse:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import re
 import uuid
 from datetime import UTC, datetime
 from typing import Any
 
-from google.protobuf import duration_pb2, json_format, struct_pb2, timestamp_pb2
+from google.protobuf import duration_pb2, struct_pb2, timestamp_pb2
 from psycopg.types.json import Jsonb
 
 from service.errors import InvalidArgument
@@ -88,53 +89,46 @@ it could not decode."""
 
 def struct(field: str, value: struct_pb2.Struct, *, max_bytes: int) -> Jsonb:
     """A Struct as a jsonb parameter: bounded in size and depth, free of NUL characters (jsonb
-    refuses NUL) and of numbers JSON cannot hold."""
+    refuses NUL) and of numbers JSON cannot hold. One walk converts and checks it: the three
+    walks it took before (depth, MessageToDict, NUL) were a fifth of a batch enqueue's binding."""
     if value.ByteSize() > max_bytes:
         raise InvalidArgument(f"{field} is larger than {max_bytes} bytes", field=field)
-    if _depth_exceeds(value, MAX_DEPTH):
-        raise InvalidArgument(
-            f"{field} nests objects and lists deeper than {MAX_DEPTH} levels", field=field
-        )
-    try:
-        document = json_format.MessageToDict(value)
-    except ValueError:  # NaN and Infinity have no JSON form
-        raise InvalidArgument(
-            f"{field} holds a number JSON cannot (NaN or Infinity)", field=field
-        ) from None
-    if _has_nul(document):
-        raise InvalidArgument(f"{field} contains a NUL character", field=field)
-    return Jsonb(document)
+    return Jsonb(_json_object(field, value, 1))
 
 
-def _depth_exceeds(value: struct_pb2.Struct, most: int) -> bool:
-    """Whether objects and lists nest deeper than `most` levels; iterative, so any depth is safe."""
-    pending: list[tuple[struct_pb2.Struct | struct_pb2.ListValue, int]] = [(value, 1)]
-    while pending:
-        container, depth = pending.pop()
-        if depth > most:
-            return True
-        children = (
-            container.fields.values()
-            if isinstance(container, struct_pb2.Struct)
-            else container.values
-        )
-        for child in children:
-            kind = child.WhichOneof("kind")
-            if kind == "struct_value":
-                pending.append((child.struct_value, depth + 1))
-            elif kind == "list_value":
-                pending.append((child.list_value, depth + 1))
-    return False
+def _json_object(field: str, value: struct_pb2.Struct, depth: int) -> dict[str, Any]:
+    document = {}
+    for key, item in value.fields.items():
+        if "\x00" in key:
+            raise InvalidArgument(f"{field} contains a NUL character", field=field)
+        document[key] = _json_value(field, item, depth)
+    return document
 
 
-def _has_nul(value: Any) -> bool:
-    if isinstance(value, str):
-        return "\x00" in value
-    if isinstance(value, dict):
-        return any("\x00" in k or _has_nul(v) for k, v in value.items())
-    if isinstance(value, list):
-        return any(_has_nul(v) for v in value)
-    return False
+def _json_value(field: str, value: struct_pb2.Value, depth: int) -> Any:
+    """What json_format.MessageToDict makes of a Value (a number stays a float), checked."""
+    kind = value.WhichOneof("kind")
+    if kind == "string_value":
+        if "\x00" in value.string_value:
+            raise InvalidArgument(f"{field} contains a NUL character", field=field)
+        return value.string_value
+    if kind == "number_value":
+        if not math.isfinite(value.number_value):
+            raise InvalidArgument(
+                f"{field} holds a number JSON cannot (NaN or Infinity)", field=field
+            )
+        return value.number_value
+    if kind == "bool_value":
+        return value.bool_value
+    if kind in ("struct_value", "list_value"):
+        if depth == MAX_DEPTH:
+            raise InvalidArgument(
+                f"{field} nests objects and lists deeper than {MAX_DEPTH} levels", field=field
+            )
+        if kind == "struct_value":
+            return _json_object(field, value.struct_value, depth + 1)
+        return [_json_value(field, item, depth + 1) for item in value.list_value.values]
+    return None  # null_value, or no kind at all (MessageToDict's reading too)
 
 
 MAX_COST_NANOS = 10**15

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import psycopg
+import pytest
 from psycopg.rows import dict_row
 
 from service import migrations
@@ -78,6 +79,24 @@ def test_queue_table_is_tuned_for_a_hot_queue(db: Db) -> None:
     assert int(options["fillfactor"]) < 100
     assert float(options["autovacuum_vacuum_scale_factor"]) == 0.0
     assert int(options["autovacuum_vacuum_threshold"]) <= 5000
+
+
+def test_a_tool_is_never_deleted(stub: Stub, db: Db, tool_id: str) -> None:
+    """Alembic 0015: tasks name their tool without a foreign key, so nothing may remove a tool
+    from under them, neither a DELETE nor a TRUNCATE (which would also have skipped the key)."""
+    task = queue(stub, tool_id)
+    for statement in (
+        "DELETE FROM generation.tools WHERE id = %(tool)s",
+        "TRUNCATE generation.tools CASCADE",
+    ):
+        with pytest.raises(psycopg.errors.RestrictViolation, match="never deleted"):
+            db.execute(statement, {"tool": tool_id})
+    kept = db.execute(
+        "SELECT t.id FROM generation.tasks AS t JOIN generation.tools AS o ON o.id = t.tool_id "
+        "WHERE t.id = %s",
+        [task.id],
+    ).fetchall()
+    assert len(kept) == 1
 
 
 def test_heartbeat_is_a_hot_update(stub: Stub, db: Db, tool_id: str) -> None:

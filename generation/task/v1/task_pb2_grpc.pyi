@@ -56,7 +56,8 @@ class GenerationDataServiceStub:
     """Enqueues many tasks of one tool in one statement. Items whose idempotency_key is already
     used are skipped (their tasks are not returned). Each created task is answered with what the
     service set, not with what the request sent (see QueueTasksResponse.tasks): a thousand whole
-    rows, inputs included, cost more to return and convert than to insert.
+    rows, inputs included, cost more to return and convert than to insert. The ids come back as
+    text: a thousand UUID objects made and printed again were a fifth of the answer's time.
     """
     ClaimNextTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.ClaimNextTaskRequest, _task_pb2.ClaimNextTaskResponse]
     """Claims the next task of a tool (generation.claim_tasks_v3 with a limit of 1: one UPDATE of
@@ -237,7 +238,8 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     """Enqueues many tasks of one tool in one statement. Items whose idempotency_key is already
     used are skipped (their tasks are not returned). Each created task is answered with what the
     service set, not with what the request sent (see QueueTasksResponse.tasks): a thousand whole
-    rows, inputs included, cost more to return and convert than to insert.
+    rows, inputs included, cost more to return and convert than to insert. The ids come back as
+    text: a thousand UUID objects made and printed again were a fifth of the answer's time.
     """
     ClaimNextTask: _aio.UnaryUnaryMultiCallable[_task_pb2.ClaimNextTaskRequest, _task_pb2.ClaimNextTaskResponse]  # type: ignore[assignment]
     """Claims the next task of a tool (generation.claim_tasks_v3 with a limit of 1: one UPDATE of
@@ -433,7 +435,8 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         """Enqueues many tasks of one tool in one statement. Items whose idempotency_key is already
         used are skipped (their tasks are not returned). Each created task is answered with what the
         service set, not with what the request sent (see QueueTasksResponse.tasks): a thousand whole
-        rows, inputs included, cost more to return and convert than to insert.
+        rows, inputs included, cost more to return and convert than to insert. The ids come back as
+        text: a thousand UUID objects made and printed again were a fifth of the answer's time.
         """
 
     @_abc_1.abstractmethod
