@@ -21,7 +21,7 @@ from typing import Any, cast
 import grpc
 import pytest
 from google.protobuf import duration_pb2
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -449,6 +449,32 @@ def test_process_span_continues_the_enqueued_trace(service: ServiceProcess, db: 
     assert [link.context for link in process.links] == [
         c.context for c in claims if c.attributes and c.attributes.get("genq.claimed")
     ]
+
+
+def test_without_tracing_the_handler_still_runs_in_the_enqueued_trace(
+    service: ServiceProcess, db: Db
+) -> None:
+    """Nothing traces (a no-op provider): the fleet skips its spans, yet a handler that passes
+    its context on (propagate.inject) still hands on the enqueuer's trace, as OpenTelemetry's
+    no-op spans did; a task enqueued without one hands on none."""
+    name = tool_name()
+    fleet = new_fleet(service, tracer_provider=trace.NoOpTracerProvider())
+    carried: dict[str, dict[str, str]] = {}
+
+    @fleet.tool(name)
+    async def handler(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier)
+        carried[task.id] = carrier
+        return {}
+
+    traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    with running(fleet):
+        traced = queue(service.stub, fleet.tool_ids[name], w3c_traceparent=traceparent)
+        untraced = queue(service.stub, fleet.tool_ids[name])
+        wait_for(lambda: terminal(db, traced, untraced), what="both tasks to complete")
+    assert carried[traced].get("traceparent") == traceparent
+    assert "traceparent" not in carried[untraced]
 
 
 # -- leases, confirmation and cancel against the real service -----------------------------------

@@ -100,8 +100,9 @@ import inspect
 import logging
 import random
 import signal
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from contextvars import copy_context
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias, TypeVar, cast
@@ -341,6 +342,8 @@ class _Run:
     """The asyncio task working it (`WorkerFleet._execute`)."""
     handler: asyncio.Task[Output] | None = None
     """The asyncio task running the handler, once the claim is confirmed."""
+    heartbeat: asyncio.Task[None] | None = None
+    """The asyncio task beating its lease, from the second beat on (`_start_heartbeat`)."""
     holds_slot: bool = True
     """Whether it still counts in its lane's `busy` (until its handler is done)."""
 
@@ -548,6 +551,7 @@ class WorkerFleet:
         }
         self._claim_batches = True
         """False once the service answered ClaimTasks UNIMPLEMENTED: claims go one by one."""
+        self._tracer_provider = tracer_provider
         self._tracer = trace.get_tracer(__name__, tracer_provider=tracer_provider)
         self._lanes: dict[str, _Lane] = {}
         self._executor: ThreadPoolExecutor | None = None
@@ -750,6 +754,20 @@ class WorkerFleet:
             else:
                 failures = 0
 
+    def _span(
+        self, name: str, *, context: otel_context.Context | None = None, **options: Any
+    ) -> AbstractContextManager[trace.Span]:
+        """`name` as the current span (under `context`'s span when given). With no tracer
+        provider set up, OpenTelemetry's no-op default, a stand-in that does what its no-op span
+        does (makes `context`'s span, the enqueuer's, current) for a seventh of the CPU: the API's
+        own no-op spans took that much of the fleet's per task (docs/BENCHMARKS.md, fifth round)."""
+        provider = self._tracer_provider or trace.get_tracer_provider()
+        if not isinstance(provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider)):
+            return self._tracer.start_as_current_span(name, context=context, **options)
+        if context is None:
+            return _UNTRACED
+        return _current(trace.get_current_span(context))
+
     def _park_seconds(self) -> float:
         return min(self.poll_interval * random.uniform(0.75, 1.25), MAX_CLAIM_WAIT_SECONDS)
 
@@ -761,7 +779,7 @@ class WorkerFleet:
         park = duration_pb2.Duration()
         park.FromNanoseconds(int(wait * 1e9))
         timeout = wait + self.client.timeout
-        with self._tracer.start_as_current_span(f"claim {lane.name}") as span:
+        with self._span(f"claim {lane.name}") as span:
             claimed: list[task_pb2.ClaimedTask] | None = None
             if limit > 1 and self._claim_batches:
                 request = task_pb2.ClaimTasksRequest(tool_id=lane.tool_id, limit=limit, wait=park)
@@ -828,7 +846,7 @@ class WorkerFleet:
         release."""
         task = run.ctx.task
         links = [trace.Link(run.claim_span)] if run.claim_span.is_valid else []
-        with self._tracer.start_as_current_span(
+        with self._span(
             f"process {run.lane.name}",
             context=_parent_context(task.w3c_traceparent),
             kind=trace.SpanKind.CONSUMER,
@@ -845,7 +863,10 @@ class WorkerFleet:
                 span.set_attribute("genq.cancelled", True)
                 await self._report(run, "cancel", _cancel_request(run.ctx))
                 return
-            heartbeat = asyncio.create_task(self._heartbeat(run))
+            # The confirmation was the first beat; the next is a timer until it is due, so a run
+            # shorter than a beat never starts a heartbeat task.
+            loop = asyncio.get_running_loop()
+            beat = loop.call_later(self._beat_interval(run), self._start_heartbeat, run)
             handler = run.handler = asyncio.create_task(self._handle(run))
             try:
                 either: list[asyncio.Future[Any]] = [handler, run.abandoned]
@@ -854,7 +875,9 @@ class WorkerFleet:
             finally:
                 # The heartbeat stops before the report: a beat racing a completion could only
                 # misreport a lost lease. The lease has at least a beat's worth left.
-                heartbeat.cancel()
+                beat.cancel()
+                if run.heartbeat is not None:
+                    run.heartbeat.cancel()
                 if not handler.done():
                     handler.cancel()
                 self._free_slot(run)  # the report is no handler's work: the lane may claim
@@ -925,12 +948,14 @@ class WorkerFleet:
         context = copy_context()  # the thread sees the process span as current
         return await loop.run_in_executor(self._executor, context.run, handler, task, ctx)
 
+    def _start_heartbeat(self, run: _Run) -> None:
+        run.heartbeat = asyncio.create_task(self._heartbeat(run))
+
     async def _heartbeat(self, run: _Run) -> None:
+        """Beats now, then every `_beat_interval`, until cancelled or the lease is gone."""
         ctx = run.ctx
         request = task_pb2.HeartbeatTaskRequest(task_id=ctx.task.id, lease_token=ctx.lease_token)
-        delay = self._beat_interval(run)  # the confirmation was the first beat
         while True:
-            await asyncio.sleep(delay)
             interval = self._beat_interval(run)
             try:
                 # A beat that hangs must not outlive the next one.
@@ -942,11 +967,11 @@ class WorkerFleet:
                     ctx._lose_lease(f"HeartbeatTask: {error.reason}")
                     return
                 # The lease outlasts two beats; try again soon rather than a beat later.
-                delay = min(interval, 1.0)
                 log.warning("task %s: heartbeat failed: %s", ctx.task.id, error)
+                await asyncio.sleep(min(interval, 1.0))
                 continue
             self._beaten(run, response)
-            delay = self._beat_interval(run)
+            await asyncio.sleep(self._beat_interval(run))
 
     def _beat_interval(self, run: _Run) -> float:
         """min(heartbeat_interval, lease / 3): two beats may fail before the lease lapses."""
@@ -1058,7 +1083,7 @@ class WorkerFleet:
         method = type(request).__name__.removesuffix("Request")
         ctx = run.ctx
         batcher = self._reports.get(method)
-        with self._tracer.start_as_current_span(f"{what} {run.lane.name}"):
+        with self._span(f"{what} {run.lane.name}"):
             for attempt in range(REPORT_ATTEMPTS):
                 try:
                     if batcher is None:
@@ -1155,6 +1180,19 @@ def _resolve(
 def _lease_gone(error: GenqError) -> bool:
     """The service says this worker can no longer write the task (or the task is gone)."""
     return isinstance(error, LeaseLost) or error.reason is Reason.TASK_NOT_FOUND
+
+
+_UNTRACED = contextlib.nullcontext(trace.INVALID_SPAN)
+"""What `WorkerFleet._span` stands in with when nothing traces and no parent is given."""
+
+
+@contextlib.contextmanager
+def _current(span: trace.Span) -> Iterator[trace.Span]:
+    token = otel_context.attach(trace.set_span_in_context(span))
+    try:
+        yield span
+    finally:
+        otel_context.detach(token)
 
 
 def _parent_context(traceparent: str) -> otel_context.Context:
