@@ -8,7 +8,7 @@ synchronous_commit on), for items with an
 empty input and with a small one, it prints the median milliseconds of each part, in the order a
 call goes through them:
 
-1. sdk build: `enqueue_many`'s requests for the items (workers_sdk.gateway, with a Struct each);
+1. sdk build: `enqueue_many`'s QueueTasks request for the items (workers_sdk.gateway `_batches`);
 2. bind: the service's `BINDINGS["QueueTasks"].bind` on the parsed request (the checks per item
    and the items' JSON);
 3. statement: the QueueTasks `sql` option run with those parameters on one autocommit connection
@@ -82,19 +82,16 @@ def parts(
     binding, statement = BINDINGS["QueueTasks"], STATEMENTS["QueueTasks"]
     defaults = gateway.NewTask({})
 
-    def build() -> list[task_pb2.QueueTaskRequest]:
-        return [
-            gateway._queue_request(tool_id, gateway.NewTask(document), defaults, "")
-            for _ in range(items)
-        ]
+    def build() -> task_pb2.QueueTasksRequest:
+        (batch,) = gateway._batches(tool_id, [document] * items, defaults, "")
+        return batch
 
     def run(params: dict[str, Any]) -> list[dict[str, Any]]:
         return connection.execute(statement, params, prepare=True).fetchall()
 
-    requests = build()
-    request = task_pb2.QueueTasksRequest.FromString(
-        task_pb2.QueueTasksRequest(tool_id=tool_id, tasks=requests).SerializeToString()
-    )
+    sent = build()
+    requests = sent.tasks
+    request = task_pb2.QueueTasksRequest.FromString(sent.SerializeToString())
     params = binding.bind(request, settings)
     nulls = with_nulls(params)
     run(params), run(nulls)  # prepared, warm
