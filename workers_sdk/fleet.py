@@ -502,7 +502,8 @@ class WorkerFleet:
     - `retry_unknown_errors` (False): whether a handler's unexpected exception requeues the task
       (uses an attempt) instead of failing it at once. Either way only the class name is stored.
     - `tracer_provider`: where the claim/process/complete spans go; None means OpenTelemetry's
-      global provider (a no-op until the application installs an SDK).
+      global provider (a no-op until the application installs an SDK; install it before `run`,
+      which looks once: with none, the fleet makes no spans at all).
 
     One ClaimTasks claims as many tasks as a lane has free slots, and what the fleet sends about
     its tasks is batched (module docstring, "Batching"). Before a claimed task's handler starts,
@@ -553,6 +554,8 @@ class WorkerFleet:
         """False once the service answered ClaimTasks UNIMPLEMENTED: claims go one by one."""
         self._tracer_provider = tracer_provider
         self._tracer = trace.get_tracer(__name__, tracer_provider=tracer_provider)
+        self._traced = True
+        """Whether a tracer provider is set up (`run` looks once): else `_span` stands in."""
         self._lanes: dict[str, _Lane] = {}
         self._executor: ThreadPoolExecutor | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -633,6 +636,10 @@ class WorkerFleet:
         if threads:
             self._executor = ThreadPoolExecutor(threads, thread_name_prefix="genq-handler")
         signals = self._install_signal_handlers(loop) if handle_signals else []
+        provider = self._tracer_provider or trace.get_tracer_provider()
+        self._traced = not isinstance(
+            provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
+        )
         polls: list[asyncio.Task[None]] = []
         try:
             await self._register_tools()
@@ -758,11 +765,11 @@ class WorkerFleet:
         self, name: str, *, context: otel_context.Context | None = None, **options: Any
     ) -> AbstractContextManager[trace.Span]:
         """`name` as the current span (under `context`'s span when given). With no tracer
-        provider set up, OpenTelemetry's no-op default, a stand-in that does what its no-op span
-        does (makes `context`'s span, the enqueuer's, current) for a seventh of the CPU: the API's
-        own no-op spans took that much of the fleet's per task (docs/BENCHMARKS.md, fifth round)."""
-        provider = self._tracer_provider or trace.get_tracer_provider()
-        if not isinstance(provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider)):
+        provider set up when the fleet started (OpenTelemetry's no-op default), a stand-in that
+        does what the no-op span does (makes `context`'s span, the enqueuer's, current) for a
+        fraction of the CPU: the API's no-op spans took a seventh of the fleet's per task
+        (docs/BENCHMARKS.md, fifth round)."""
+        if self._traced:
             return self._tracer.start_as_current_span(name, context=context, **options)
         if context is None:
             return _UNTRACED
