@@ -136,8 +136,6 @@ RULES = {
 
 def from_database(error: psycopg.Error | psycopg_pool.PoolTimeout) -> ServiceError | None:
     """The domain error a database failure means, or None for a bug (reported as INTERNAL)."""
-    if isinstance(error, psycopg.errors.ForeignKeyViolation):
-        return ToolNotFound("tool not found")
     if isinstance(error, psycopg.errors.CheckViolation):
         # The message names the rule, never the constraint (the schema is not the API).
         rule = RULES.get(error.diag.constraint_name or "")
