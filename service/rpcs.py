@@ -240,12 +240,11 @@ def respond_claim_tasks(rows: list[Row]) -> task_pb2.ClaimTasksResponse:
         raise ToolNotFound("tool not found")
     if rows[0]["id"] is None:
         return task_pb2.ClaimTasksResponse(idle_reason=_idle_reason(rows[0]))
-    response = task_pb2.ClaimTasksResponse(
-        tasks=[
-            task_pb2.ClaimedTask(task=messages.task(row), lease_token=str(row["lease_token"]))
-            for row in rows
-        ]
-    )
+    # Each task made where it is sent: built apart, each was copied twice more.
+    response = task_pb2.ClaimTasksResponse()
+    moments = messages.Moments()
+    for row in rows:
+        response.tasks.add(task=messages.task(row, moments), lease_token=str(row["lease_token"]))
     response.lease.FromSeconds(rows[0]["lease"])
     return response
 
@@ -294,14 +293,14 @@ def bind_heartbeat_tasks(request: task_pb2.HeartbeatTasksRequest, settings: Sett
 
 
 def respond_heartbeat_tasks(rows: list[Row]) -> task_pb2.HeartbeatTasksResponse:
-    results = []
+    response = task_pb2.HeartbeatTasksResponse()
+    moments = messages.Moments()
     for row in rows:
         refused = _refused(row, "claim_expires_at")
-        result = task_pb2.HeartbeatResult(task_id=str(row["requested_id"]), refused=refused)
+        result = response.results.add(task_id=str(row["requested_id"]), refused=refused)
         if not refused:
-            result.heartbeat.CopyFrom(_heartbeat(row))
-        results.append(result)
-    return task_pb2.HeartbeatTasksResponse(results=results)
+            _heartbeat(row, result.heartbeat, moments)
+    return response
 
 
 def bind_complete_tasks(request: task_pb2.CompleteTasksRequest, settings: Settings) -> Params:
@@ -316,13 +315,17 @@ def bind_fail_tasks(request: task_pb2.FailTasksRequest, settings: Settings) -> P
     return _items(request, leased, settings)
 
 
-def _report_results(rows: list[Row]) -> list[task_pb2.ReportResult]:
-    return [
-        task_pb2.ReportResult(task_id=str(row["requested_id"]), refused=refused)
-        if (refused := _refused(row))
-        else task_pb2.ReportResult(task_id=str(row["requested_id"]), task=messages.task(row))
-        for row in rows
-    ]
+def _report_results(
+    response: task_pb2.CompleteTasksResponse | task_pb2.FailTasksResponse, rows: list[Row]
+) -> task_pb2.CompleteTasksResponse | task_pb2.FailTasksResponse:
+    moments = messages.Moments()
+    for row in rows:
+        if refused := _refused(row):
+            response.results.add(task_id=str(row["requested_id"]), refused=refused)
+        else:
+            task = messages.task(row, moments)
+            response.results.add(task_id=str(row["requested_id"]), task=task)
+    return response
 
 
 def park_claim(
@@ -749,12 +752,15 @@ def respond_tool(rows: list[Row]) -> task_pb2.Tool:
 
 
 def respond_heartbeat(rows: list[Row]) -> task_pb2.HeartbeatTaskResponse:
-    return _heartbeat(_fenced(rows, "claim_expires_at"))
+    row = _fenced(rows, "claim_expires_at")
+    return _heartbeat(row, task_pb2.HeartbeatTaskResponse(), messages.Moments())
 
 
-def _heartbeat(row: Row) -> task_pb2.HeartbeatTaskResponse:
-    response = task_pb2.HeartbeatTaskResponse(cancel_requested=row["cancel_requested"])
-    response.claim_expires_at.FromDatetime(row["claim_expires_at"])
+def _heartbeat(
+    row: Row, response: task_pb2.HeartbeatTaskResponse, moments: messages.Moments
+) -> task_pb2.HeartbeatTaskResponse:
+    response.cancel_requested = row["cancel_requested"]
+    moments.set(response.claim_expires_at, row["claim_expires_at"])
     response.lease.FromSeconds(row["lease_seconds"])
     return response
 
@@ -817,12 +823,12 @@ BINDINGS: dict[str, Binding] = {
     "HeartbeatTasks": Binding(bind_heartbeat_tasks, respond_heartbeat_tasks),
     "CompleteTasks": Binding(
         bind_complete_tasks,
-        lambda rows: task_pb2.CompleteTasksResponse(results=_report_results(rows)),
+        lambda rows: _report_results(task_pb2.CompleteTasksResponse(), rows),
         after=signal_event,
     ),
     "FailTasks": Binding(
         bind_fail_tasks,
-        lambda rows: task_pb2.FailTasksResponse(results=_report_results(rows)),
+        lambda rows: _report_results(task_pb2.FailTasksResponse(), rows),
         after=signal_requeue,
     ),
     "CompleteTask": Binding(
