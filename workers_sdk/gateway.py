@@ -262,10 +262,15 @@ def _created(
             break
         if request.idempotency_key and task.idempotency_key != request.idempotency_key:
             continue  # skipped: the key was used already
-        task.input.CopyFrom(request.input)
-        task.reserved_token_amount = request.reserved_token_amount
-        task.billing_idempotency_key = request.billing_idempotency_key
-        task.w3c_traceparent = request.w3c_traceparent
+        # Only what was set: a thousand items with an empty input and no keys copy nothing.
+        if request.HasField("input"):
+            task.input.CopyFrom(request.input)
+        if request.reserved_token_amount:
+            task.reserved_token_amount = request.reserved_token_amount
+        if request.billing_idempotency_key:
+            task.billing_idempotency_key = request.billing_idempotency_key
+        if request.w3c_traceparent:
+            task.w3c_traceparent = request.w3c_traceparent
         created.append(task)
         task = next(answered, None)
     return created
