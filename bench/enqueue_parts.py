@@ -13,7 +13,7 @@ call goes through them:
    and the items' JSON);
 3. statement: the QueueTasks `sql` option run with those parameters on one autocommit connection
    (prepared, jit off), rows fetched: psycopg sending the items and reading the rows, and
-   Postgres parsing them and running the insert, its index entries, the foreign key, the commit;
+   Postgres parsing them and running the insert, its index entries and the commit;
 4. statement, items with nulls: the same with every item carrying every key, the unset ones as
    null, as the service sent them before (an ablation: what leaving them out saves);
 5. answer: `BINDINGS["QueueTasks"].respond` on the rows;

@@ -240,7 +240,7 @@ def respond_claim_tasks(rows: list[Row]) -> task_pb2.ClaimTasksResponse:
         raise ToolNotFound("tool not found")
     if rows[0]["id"] is None:
         return task_pb2.ClaimTasksResponse(idle_reason=_idle_reason(rows[0]))
-    # Each task made where it is sent: built apart, each was copied twice more.
+    # Each task copied once, into the answer: through a ClaimedTask it was copied twice.
     response = task_pb2.ClaimTasksResponse()
     moments = messages.Moments()
     for row in rows:

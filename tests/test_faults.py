@@ -570,8 +570,11 @@ def test_every_transition_is_in_the_tasks_stream(stub: Stub, db: Db, tool_id: st
 def test_a_paid_claim_never_waits_for_an_open_enqueue(
     stub: Stub, db: Db, database_url: str, tool_id: str
 ) -> None:
-    """Seen: a paid claim took FOR UPDATE on its tool row, which waits for the FK's KEY SHARE of
-    every open enqueue of that tool: one 1,000-item QueueTasks stalled every paid claim."""
+    """Seen: a paid claim took FOR UPDATE on its tool row, which waited for the KEY SHARE that
+    every open enqueue of that tool held through the tasks' foreign key: one 1,000-item
+    QueueTasks stalled every paid claim. With the key gone (alembic 0015) an open enqueue holds
+    no lock a claim could wait for, and claims take FOR NO KEY UPDATE anyway; this fails should
+    a lock between the two come back."""
     stub.ConfigureTool(task_pb2.ConfigureToolRequest(tool_id=tool_id, cost_estimate_nanos=10))
     task = queue(stub, tool_id)
     with psycopg.connect(database_url) as enqueue:  # an enqueue that has not committed yet

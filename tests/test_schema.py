@@ -8,6 +8,7 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 
+from generation.task.v1 import task_pb2
 from service import migrations
 from service.rpcs import STATEMENTS
 from tests.conftest import ROOT, Databases, url_for
@@ -83,11 +84,13 @@ def test_queue_table_is_tuned_for_a_hot_queue(db: Db) -> None:
 
 def test_a_tool_is_never_deleted(stub: Stub, db: Db, tool_id: str) -> None:
     """Alembic 0015: tasks name their tool without a foreign key, so nothing may remove a tool
-    from under them, neither a DELETE nor a TRUNCATE (which would also have skipped the key)."""
+    from under them or renumber it: a DELETE, a TRUNCATE (which would also have skipped the key)
+    or an UPDATE of its id. Its other columns still change (ConfigureTool)."""
     task = queue(stub, tool_id)
     for statement in (
         "DELETE FROM generation.tools WHERE id = %(tool)s",
         "TRUNCATE generation.tools CASCADE",
+        "UPDATE generation.tools SET id = gen_random_uuid() WHERE id = %(tool)s",
     ):
         with pytest.raises(psycopg.errors.RestrictViolation, match="never deleted"):
             db.execute(statement, {"tool": tool_id})
@@ -97,6 +100,7 @@ def test_a_tool_is_never_deleted(stub: Stub, db: Db, tool_id: str) -> None:
         [task.id],
     ).fetchall()
     assert len(kept) == 1
+    stub.ConfigureTool(task_pb2.ConfigureToolRequest(tool_id=tool_id, paused=True))
 
 
 def test_heartbeat_is_a_hot_update(stub: Stub, db: Db, tool_id: str) -> None:

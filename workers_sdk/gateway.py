@@ -226,7 +226,7 @@ def _batches(
     traceparent: str,
 ) -> list[task_pb2.QueueTasksRequest]:
     """The items in order as QueueTasks requests of at most MAX_ENQUEUE_BATCH items and
-    MAX_ENQUEUE_BYTES each (each at least one item), every item built where it is sent: built
+    MAX_ENQUEUE_BYTES each (each at least one item), every item built in its request: built
     apart and copied into its batch, a thousand items took twice as long. The items leave
     `tool_id` unset; their batch names the tool once."""
     batches: list[task_pb2.QueueTasksRequest] = []
@@ -288,8 +288,7 @@ def _queue_request(
 def _fill(request: task_pb2.QueueTaskRequest, item: NewTask, defaults: NewTask) -> None:
     """Sets a QueueTask request's (or QueueTasks item's) fields from `item`, then `defaults`.
     Optional fields left unset are what selects the service's defaults."""
-    if item.input:
-        request.input.update(item.input)
+    request.input.update(item.input)  # an empty input leaves the field unset
     reserved = item.reserved_token_amount
     request.reserved_token_amount = (
         (defaults.reserved_token_amount or 0) if reserved is None else reserved

@@ -247,7 +247,7 @@ class GenerationDataServiceServicer:
         used are skipped (their tasks are not returned). Each created task is answered with what the
         service set, not with what the request sent (see QueueTasksResponse.tasks): a thousand whole
         rows, inputs included, cost more to return and convert than to insert. The ids come back as
-        text: a thousand UUID objects made and printed again were a fifth of the answer's time.
+        text: a thousand UUID objects made and printed again were a quarter of the answer's time.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

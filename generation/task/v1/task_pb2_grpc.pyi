@@ -57,7 +57,7 @@ class GenerationDataServiceStub:
     used are skipped (their tasks are not returned). Each created task is answered with what the
     service set, not with what the request sent (see QueueTasksResponse.tasks): a thousand whole
     rows, inputs included, cost more to return and convert than to insert. The ids come back as
-    text: a thousand UUID objects made and printed again were a fifth of the answer's time.
+    text: a thousand UUID objects made and printed again were a quarter of the answer's time.
     """
     ClaimNextTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.ClaimNextTaskRequest, _task_pb2.ClaimNextTaskResponse]
     """Claims the next task of a tool (generation.claim_tasks_v3 with a limit of 1: one UPDATE of
@@ -239,7 +239,7 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     used are skipped (their tasks are not returned). Each created task is answered with what the
     service set, not with what the request sent (see QueueTasksResponse.tasks): a thousand whole
     rows, inputs included, cost more to return and convert than to insert. The ids come back as
-    text: a thousand UUID objects made and printed again were a fifth of the answer's time.
+    text: a thousand UUID objects made and printed again were a quarter of the answer's time.
     """
     ClaimNextTask: _aio.UnaryUnaryMultiCallable[_task_pb2.ClaimNextTaskRequest, _task_pb2.ClaimNextTaskResponse]  # type: ignore[assignment]
     """Claims the next task of a tool (generation.claim_tasks_v3 with a limit of 1: one UPDATE of
@@ -436,7 +436,7 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         used are skipped (their tasks are not returned). Each created task is answered with what the
         service set, not with what the request sent (see QueueTasksResponse.tasks): a thousand whole
         rows, inputs included, cost more to return and convert than to insert. The ids come back as
-        text: a thousand UUID objects made and printed again were a fifth of the answer's time.
+        text: a thousand UUID objects made and printed again were a quarter of the answer's time.
         """
 
     @_abc_1.abstractmethod

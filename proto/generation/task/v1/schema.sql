@@ -50,7 +50,8 @@ CREATE TABLE generation.tools (
 
 CREATE TABLE generation.tasks (
     id uuid PRIMARY KEY DEFAULT gen_random_uuid(),
-    -- No foreign key: its check cost a quarter of a batch enqueue; tools are kept instead (below).
+    -- No foreign key: its check was a fifth of a batch enqueue's statement; tools are kept
+    -- instead (below).
     tool_id uuid NOT NULL,
     status generation.task_status NOT NULL DEFAULT 'queued',
     input jsonb NOT NULL DEFAULT '{}',
@@ -119,19 +120,19 @@ WITH (
     autovacuum_vacuum_cost_limit = 2000
 );
 
--- A tool is never deleted, so every task's tool exists without a foreign key (alembic 0015): no
--- RPC deletes one, the inserts read their tool's row in the same statement, and this refuses a
--- delete by hand.
+-- A tool is never deleted nor renumbered, so every task's tool exists without a foreign key
+-- (alembic 0015): no RPC deletes one or changes its id, the inserts read their tool's row in the
+-- same statement, and this refuses either by hand.
 CREATE FUNCTION generation.keep_tools_v1() RETURNS trigger
 LANGUAGE plpgsql
 AS $$
 BEGIN
-    RAISE EXCEPTION 'a tool is never deleted: its tasks name it (pause it instead)'
+    RAISE EXCEPTION 'a tool is never deleted nor renumbered: its tasks name it (pause it instead)'
         USING ERRCODE = 'restrict_violation';
 END
 $$;
 
-CREATE TRIGGER tools_are_kept BEFORE DELETE OR TRUNCATE ON generation.tools
+CREATE TRIGGER tools_are_kept BEFORE UPDATE OF id OR DELETE OR TRUNCATE ON generation.tools
     FOR EACH STATEMENT EXECUTE FUNCTION generation.keep_tools_v1();
 
 -- The claim: an index-ordered top-1 per tool over claimable rows only, so its cost depends on
