@@ -79,11 +79,9 @@ def task(row: Row, moments: Moments | None = None) -> task_pb2.Task:
         message.reported_usage.token_amount = usage.get("token_amount", 0)
         message.reported_usage.cost_nanos = usage.get("cost_nanos", 0)
         _struct(message.reported_usage.details, usage.get("details"))
+    set_moment = timestamp if moments is None else moments.set
     for name in TASK_MOMENTS:
-        if moments is None:
-            timestamp(getattr(message, name), row[name])
-        else:
-            moments.set(getattr(message, name), row[name])
+        set_moment(getattr(message, name), row[name])
     return message
 
 
