@@ -85,6 +85,20 @@ def task(row: Row, moments: Moments | None = None) -> task_pb2.Task:
     return message
 
 
+def brief_task(target: task_pb2.Task, row: Row, moments: Moments) -> None:
+    """Fills in a batch report's task in brief (proto ReportResult): the columns its statement
+    returns."""
+    target.id = row["id"]
+    target.tool_id = row["tool_id"]
+    target.status = STATUSES[row["status"]]
+    target.error = row["error"] or ""
+    target.retry_count = row["retry_count"]
+    target.max_retries = row["max_retries"]
+    target.attempt_count = row["attempt_count"]
+    moments.set(target.run_at, row["run_at"])
+    moments.set(target.completed_at, row["completed_at"])
+
+
 def queued_tasks(target: RepeatedCompositeFieldContainer[task_pb2.Task], rows: list[Row]) -> None:
     """Appends the tasks QueueTasks created: the columns its statement returns (what the service
     set; created_at, and run_at and expires_at unless an item set them, are one moment for all)."""

@@ -320,11 +320,11 @@ def _report_results(
 ) -> task_pb2.CompleteTasksResponse | task_pb2.FailTasksResponse:
     moments = messages.Moments()
     for row in rows:
+        result = response.results.add(task_id=str(row["requested_id"]))
         if refused := _refused(row):
-            response.results.add(task_id=str(row["requested_id"]), refused=refused)
+            result.refused = refused
         else:
-            task = messages.task(row, moments)
-            response.results.add(task_id=str(row["requested_id"]), task=task)
+            messages.brief_task(result.task, row, moments)
     return response
 
 

@@ -120,7 +120,11 @@ def test_batch_reports_answer_each_item_in_request_order(stub: Stub, db: Db, too
         (a.task.id, "LEASE_LOST", task_pb2.TASK_STATUS_UNSPECIFIED),
         (a.task.id, "", task_pb2.TASK_STATUS_COMPLETED),
     ]
-    assert dict(done[0].task.output) == {"n": 2}
+    # The task in brief: its state after the report, not its input nor the output just sent.
+    assert not done[0].task.HasField("input") and not done[0].task.HasField("output")
+    assert done[0].task.tool_id == tool_id and done[0].task.HasField("completed_at")
+    stored = stub.GetTask(task_pb2.GetTaskRequest(task_id=b.task.id)).task
+    assert dict(stored.output) == {"n": 2}
     again = stub.CompleteTasks(completes).results
     assert [r.task for r in again] == [r.task for r in done], "a retried batch answers the same"
 
@@ -283,7 +287,11 @@ def test_a_batch_ends_its_held_runs_as_single_completes_would(
         ("", task_pb2.TASK_STATUS_CANCELLED),
         ("", task_pb2.TASK_STATUS_COMPLETED),
     ]
-    assert dict(done[1].task.output) == {"id": b.task.id} and not done[2].task.HasField("output")
+    outputs = [
+        stub.GetTask(task_pb2.GetTaskRequest(task_id=task_id)).task
+        for task_id in (b.task.id, c.task.id)
+    ]
+    assert dict(outputs[0].output) == {"id": b.task.id} and not outputs[1].HasField("output")
     ledger = db.execute(
         "SELECT task_id::text, outcome::text, cost_nanos, ended_at IS NOT NULL AS ended "
         "FROM generation.attempts WHERE tool_id = %s ORDER BY cost_nanos",

@@ -30,7 +30,7 @@ flight, of every tool, go out as HeartbeatTasks, CompleteTasks and FailTasks car
 is ready, and each item's answer goes back to its own task (a `refused` LEASE_LOST or
 TASK_NOT_FOUND is that task's lost lease, exactly as the single RPC's error would be). A call
 waits at most `report_delay` (5 ms) for others to join it, and leaves at once when its batch is
-full (1,000 items, or about 2 MiB of request and answer). The confirmations of one claim leave
+full (1,000 items, or about 2 MiB of requests). The confirmations of one claim leave
 together as soon as the last is ready, without that wait: a claimed task never waits for company
 before its handler starts. A batch that fails UNAVAILABLE fails each of its items, and each
 report is retried as before (so the retries batch again): that is safe, since the service
@@ -161,8 +161,8 @@ MAX_REPORT_BATCH = 1_000
 """Most items in one HeartbeatTasks, CompleteTasks or FailTasks (the service's limit)."""
 
 MAX_BATCH_BYTES = 2 * 1024 * 1024
-"""Most bytes of requests plus expected answers (each report's answer holds its task) in one
-batch: well under gRPC's 4 MiB default limit on a received message, at either end."""
+"""Most bytes of requests in one batch: well under gRPC's 4 MiB default limit on a message the
+service receives (the answers are small: a beat's lease, a report's task in brief)."""
 
 SPLIT_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED})
 """A batch refused as a whole with one of these is sent again item by item: each item then
@@ -382,15 +382,12 @@ class _Batcher:
         self._timer: asyncio.TimerHandle | None = None
         self._sending: set[asyncio.Task[None]] = set()
 
-    async def call(
-        self, request: Message, *, timeout: float | None = None, answer_bytes: int = 0
-    ) -> Any:
-        """Sends `request` in the next batch and returns its own answer; `answer_bytes` is what
-        its answer is expected to weigh (for the batch's byte bound)."""
+    async def call(self, request: Message, *, timeout: float | None = None) -> Any:
+        """Sends `request` in the next batch and returns its own answer."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (timeout or self._fleet.client.timeout)
         item = _Item(request, loop.create_future(), deadline, otel_context.get_current())
-        size = request.ByteSize() + answer_bytes
+        size = request.ByteSize()
         if self._pending and self._bytes + size > MAX_BATCH_BYTES:
             self.flush()
         self._pending.append(item)
@@ -1096,9 +1093,7 @@ class WorkerFleet:
                     if batcher is None:
                         response = await self.client.call(method, request)
                     else:
-                        # The answer holds the task: its weight counts toward the batch's bound.
-                        weight = ctx.task.ByteSize()
-                        response = await batcher.call(request, answer_bytes=weight)
+                        response = await batcher.call(request)
                 except GenqError as error:
                     if _lease_gone(error):
                         # A FailTask or ReleaseTask retried after UNAVAILABLE may also hear this

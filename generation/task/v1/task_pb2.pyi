@@ -1056,7 +1056,12 @@ class ReportResult(_message.Message):
     """Why it was refused: LEASE_LOST or TASK_NOT_FOUND (an ErrorInfo reason); empty when taken."""
     @_builtins.property
     def task(self) -> Global___Task:
-        """The task after the report; unset when refused."""
+        """The task after the report, in brief: its id, tool_id, status, error, retry_count,
+        max_retries, attempt_count, run_at (when it runs again, if requeued) and completed_at;
+        GetTask reads the rest. Unset when refused. A worker acts on the status alone, and echoing
+        every whole task back (its input and the output just sent) took a third of a CompleteTasks'
+        time in the service (docs/BENCHMARKS.md, sixth round).
+        """
 
     def __init__(
         self,

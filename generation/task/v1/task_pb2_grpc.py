@@ -326,7 +326,8 @@ class GenerationDataServiceServicer:
 
     def CompleteTasks(self, request, context):
         """Completes many held tasks in one call, each as CompleteTask does (fenced by its own lease,
-        the same answer to the same lease again), with a result per item in request order.
+        the same answer to the same lease again), with a result per item in request order (the task
+        in brief: ReportResult).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -334,7 +335,7 @@ class GenerationDataServiceServicer:
 
     def FailTasks(self, request, context):
         """Fails many held tasks in one call, each as FailTask does with its lease (no forced fails
-        here), with a result per item in request order.
+        here), with a result per item in request order (the task in brief: ReportResult).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -108,11 +108,12 @@ class GenerationDataServiceStub:
     """
     CompleteTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.CompleteTasksRequest, _task_pb2.CompleteTasksResponse]
     """Completes many held tasks in one call, each as CompleteTask does (fenced by its own lease,
-    the same answer to the same lease again), with a result per item in request order.
+    the same answer to the same lease again), with a result per item in request order (the task
+    in brief: ReportResult).
     """
     FailTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.FailTasksRequest, _task_pb2.FailTasksResponse]
     """Fails many held tasks in one call, each as FailTask does with its lease (no forced fails
-    here), with a result per item in request order.
+    here), with a result per item in request order (the task in brief: ReportResult).
     """
     ReleaseTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.ReleaseTaskRequest, _task_pb2.ReleaseTaskResponse]
     """Hands a held task back to the queue without using a retry: a worker that stops on purpose
@@ -290,11 +291,12 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     """
     CompleteTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.CompleteTasksRequest, _task_pb2.CompleteTasksResponse]  # type: ignore[assignment]
     """Completes many held tasks in one call, each as CompleteTask does (fenced by its own lease,
-    the same answer to the same lease again), with a result per item in request order.
+    the same answer to the same lease again), with a result per item in request order (the task
+    in brief: ReportResult).
     """
     FailTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.FailTasksRequest, _task_pb2.FailTasksResponse]  # type: ignore[assignment]
     """Fails many held tasks in one call, each as FailTask does with its lease (no forced fails
-    here), with a result per item in request order.
+    here), with a result per item in request order (the task in brief: ReportResult).
     """
     ReleaseTask: _aio.UnaryUnaryMultiCallable[_task_pb2.ReleaseTaskRequest, _task_pb2.ReleaseTaskResponse]  # type: ignore[assignment]
     """Hands a held task back to the queue without using a retry: a worker that stops on purpose
@@ -529,7 +531,8 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.CompleteTasksResponse, _abc.Awaitable[_task_pb2.CompleteTasksResponse]]:
         """Completes many held tasks in one call, each as CompleteTask does (fenced by its own lease,
-        the same answer to the same lease again), with a result per item in request order.
+        the same answer to the same lease again), with a result per item in request order (the task
+        in brief: ReportResult).
         """
 
     @_abc_1.abstractmethod
@@ -539,7 +542,7 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.FailTasksResponse, _abc.Awaitable[_task_pb2.FailTasksResponse]]:
         """Fails many held tasks in one call, each as FailTask does with its lease (no forced fails
-        here), with a result per item in request order.
+        here), with a result per item in request order (the task in brief: ReportResult).
         """
 
     @_abc_1.abstractmethod
