@@ -101,20 +101,37 @@ def brief_task(target: task_pb2.Task, row: Row, moments: Moments) -> None:
 
 def queued_tasks(target: RepeatedCompositeFieldContainer[task_pb2.Task], rows: list[Row]) -> None:
     """Appends the tasks QueueTasks created: the columns its statement returns (what the service
-    set; created_at, and run_at and expires_at unless an item set them, are one moment for all)."""
+    set). The rows of one statement share most of them (the tool, the status, one moment for
+    created_at, and for run_at and expires_at unless an item set them), so each task is a copy of
+    the first task of its shape, with its id (and key): setting each field of each task anew took
+    three times as long."""
     moment = Moments().get
+    shapes: dict[tuple[Any, ...], task_pb2.Task] = {}
     for row in rows:
-        target.add(
-            id=row["id"],
-            tool_id=row["tool_id"],
-            status=STATUSES[row["status"]],
-            priority=row["priority"],
-            max_retries=row["max_retries"],
-            idempotency_key=row["idempotency_key"] or "",
-            created_at=moment(row["created_at"]),
-            run_at=moment(row["run_at"]),
-            expires_at=moment(row["expires_at"]),
+        shape = (
+            row["tool_id"],
+            row["status"],
+            row["priority"],
+            row["max_retries"],
+            row["created_at"],
+            row["run_at"],
+            row["expires_at"],
         )
+        if (first := shapes.get(shape)) is None:
+            first = shapes[shape] = task_pb2.Task(
+                tool_id=row["tool_id"],
+                status=STATUSES[row["status"]],
+                priority=row["priority"],
+                max_retries=row["max_retries"],
+                created_at=moment(row["created_at"]),
+                run_at=moment(row["run_at"]),
+                expires_at=moment(row["expires_at"]),
+            )
+        task = target.add()
+        task.CopyFrom(first)
+        task.id = row["id"]
+        if row["idempotency_key"]:
+            task.idempotency_key = row["idempotency_key"]
 
 
 def tool(row: Row) -> task_pb2.Tool:
