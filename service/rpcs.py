@@ -256,11 +256,11 @@ def respond_claim_tasks(rows: list[Row]) -> task_pb2.ClaimTasksResponse:
         raise ToolNotFound("tool not found")
     if rows[0]["id"] is None:
         return task_pb2.ClaimTasksResponse(idle_reason=_idle_reason(rows[0]))
-    # Each task copied once, into the answer: through a ClaimedTask it was copied twice.
     response = task_pb2.ClaimTasksResponse()
     moments = messages.Moments()
     for row in rows:
-        response.tasks.add(task=messages.task(row, moments), lease_token=str(row["lease_token"]))
+        claimed = response.tasks.add(lease_token=str(row["lease_token"]))
+        messages.task_into(claimed.task, row, moments)
     response.lease.FromSeconds(rows[0]["lease"])
     return response
 
