@@ -58,7 +58,7 @@ def task(row: Row, moments: Moments | None = None) -> task_pb2.Task:
     return message
 
 
-TASK_TEXTS = (
+TEXT_COLUMNS = (
     "error",
     "billing_idempotency_key",
     "w3c_traceparent",
@@ -72,7 +72,7 @@ TASK_TEXTS = (
 
 def task_into(target: task_pb2.Task, row: Row, moments: Moments | None = None) -> None:
     """Fills in `target`, a task in an answer, from its row: a batch answer's tasks are built
-    where they stay, not built apart and copied in (a ClaimTasks of 100: 2.25 ms, now 1.83)."""
+    where they stay, not built apart and copied in (a ClaimTasks of 100: 2.2 ms, now 1.8)."""
     target.id = str(row["id"])
     target.tool_id = str(row["tool_id"])
     target.status = STATUSES[row["status"]]
@@ -82,7 +82,7 @@ def task_into(target: task_pb2.Task, row: Row, moments: Moments | None = None) -
     target.reserved_token_amount = row["reserved_token_amount"]
     target.attempt_count = row["attempt_count"]
     target.unconfirmed_claims = row["unconfirmed_claims"]
-    for name in TASK_TEXTS:
+    for name in TEXT_COLUMNS:
         if value := row[name]:
             setattr(target, name, value)
     if row["cost_estimate_nanos"] is not None:
