@@ -4,13 +4,14 @@ each, every item fenced by its own lease, a result per item in request order."""
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import psycopg
 import pytest
-from google.protobuf import duration_pb2
+from google.protobuf import duration_pb2, timestamp_pb2
 
 from generation.task.v1 import task_pb2
 from tests.conftest import ServiceProcess, wait_for
@@ -132,13 +133,20 @@ def test_batch_reports_answer_each_item_in_request_order(stub: Stub, db: Db, too
         task_pb2.FailTasksRequest(
             tasks=[
                 task_pb2.FailTaskRequest(
-                    task_id=c.task.id, lease_token=c.lease_token, increment_retry=True
+                    task_id=c.task.id,
+                    lease_token=c.lease_token,
+                    error="rate limited",
+                    increment_retry=True,
                 )
             ]
         )
     ).results
     assert failed[0].task.status == task_pb2.TASK_STATUS_QUEUED
     assert failed[0].task.retry_count == 1
+    # In brief, as stored: the error, and when the backoff lets it run again.
+    requeued = stub.GetTask(task_pb2.GetTaskRequest(task_id=c.task.id)).task
+    assert (failed[0].task.error, failed[0].task.run_at) == (requeued.error, requeued.run_at)
+    assert requeued.error and requeued.run_at.ToDatetime() > c.task.run_at.ToDatetime()
     ledger = db.execute(
         "SELECT outcome::text, count(*) AS n, sum(cost_nanos)::bigint AS cost "
         "FROM generation.attempts WHERE tool_id = %s GROUP BY 1 ORDER BY 1",
@@ -357,3 +365,32 @@ def test_a_batch_locks_two_leases_of_one_task_in_attempt_order(
             results = batch.result(timeout=30).results
     assert [r.refused for r in results] == ["", Reason.LEASE_LOST.value]
     assert row(db, task.id)["status"] == "completed"
+
+
+def test_queue_tasks_answers_each_item_as_stored(stub: Stub, tool_id: str) -> None:
+    """Items of different shapes in one QueueTasks (a delay, a TTL, an idempotency key, plain):
+    each answered task is the one stored for its item, field for field."""
+    later = timestamp_pb2.Timestamp()
+    later.FromSeconds(int(time.time()) + 3_600)
+    key = f"shape-{uuid.uuid4()}"
+    items = [
+        task_pb2.QueueTaskRequest(input={"n": 0}),
+        task_pb2.QueueTaskRequest(input={"n": 1}, run_after=later, priority=7),
+        task_pb2.QueueTaskRequest(input={"n": 2}, ttl=duration_pb2.Duration(seconds=60)),
+        task_pb2.QueueTaskRequest(input={"n": 3}, idempotency_key=key, max_retries=0),
+        task_pb2.QueueTaskRequest(input={"n": 4}),
+    ]
+    answer = stub.QueueTasks(task_pb2.QueueTasksRequest(tool_id=tool_id, tasks=items)).tasks
+    assert len({task.id for task in answer}) == len(items)
+    fields = ("id", "tool_id", "status", "priority", "max_retries", "idempotency_key")
+    moments = ("created_at", "run_at", "expires_at")
+    for task in answer:
+        stored = stub.GetTask(task_pb2.GetTaskRequest(task_id=task.id)).task
+        assert [getattr(task, name) for name in fields + moments] == [
+            getattr(stored, name) for name in fields + moments
+        ], task.id
+    assert answer[1].run_at == later and answer[1].priority == 7
+    assert answer[2].expires_at.seconds - answer[2].run_at.seconds == 60
+    assert (answer[3].idempotency_key, answer[3].max_retries) == (key, 0)
+    assert answer[0].run_at == answer[4].run_at, "one statement, one moment"
+    assert answer[0].expires_at.seconds - answer[0].run_at.seconds == 7 * 86_400  # the default

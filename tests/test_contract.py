@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 from generation.task.v1 import task_pb2
 from service.rpcs import BINDINGS, SERVICE, STATEMENTS
+from service.settings import Settings
 from tests.conftest import ROOT
 
 BUF = Path(sys.executable).parent / "buf"  # buf-bin, a dev dependency
@@ -18,6 +21,14 @@ def test_every_rpc_has_sql_and_a_binding() -> None:
     unary = {method.name for method in SERVICE.methods if not method.server_streaming}
     assert names == set(STATEMENTS)
     assert unary == set(BINDINGS)
+
+
+def test_a_queue_task_binds_every_parameter_of_its_statement() -> None:
+    """A QueueTask that sets nothing but its tool still names every column its statement reads
+    (the bind leaves the unset ones out of a batch item, never out of the single RPC)."""
+    request = task_pb2.QueueTaskRequest(tool_id=str(uuid.uuid4()))
+    params = BINDINGS["QueueTask"].bind(request, Settings.from_env({}))
+    assert set(re.findall(r"%\((\w+)\)s", STATEMENTS["QueueTask"])) <= set(params)
 
 
 def test_task_status_mirrors_the_postgres_enum(db) -> None:  # type: ignore[no-untyped-def]

@@ -365,8 +365,9 @@ class _Batcher:
     batch RPC (HeartbeatTasks, ...); see "Batching" in the module docstring.
 
     `call` is a drop-in for `client.call(single, request)`: it answers with the single RPC's
-    fields (a HeartbeatTaskResponse; for a report, a message whose `task` is the task after it)
-    or raises the GenqError the single RPC would have (LeaseLost for an item refused LEASE_LOST).
+    fields (a HeartbeatTaskResponse; for a report, a message whose `task` is the task after it,
+    in brief when batched: ReportResult) or raises the GenqError the single RPC would have
+    (LeaseLost for an item refused LEASE_LOST).
     """
 
     def __init__(self, fleet: WorkerFleet, single: str, answer: Callable[[Any], Message]) -> None:
