@@ -8,6 +8,7 @@ that cannot reach them fails; nothing is skipped.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -139,9 +140,38 @@ def database_url(databases: Databases) -> str:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port nothing holds now, below the kernel's ephemeral range. A port got by binding to 0
+    comes from that range, and an outgoing connection (a client's, to Postgres or to another
+    service) could be given it before the service under test binds it, which then fails to
+    start: "Address already in use"."""
+    low = ephemeral_low()
+    while True:
+        port = random.randrange(PORTS_FROM, low) if low > PORTS_FROM + 1_000 else 0
+        if port in _handed_out:  # picked before, maybe not bound yet: two callers, one port
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            port = int(s.getsockname()[1])
+        _handed_out.add(port)
+        return port
+
+
+_handed_out: set[int] = set()
+
+
+PORTS_FROM = 10_000
+"""The lowest port `free_port` picks (well above the well-known ones, Postgres' and Redis')."""
+
+
+def ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux; 32768 elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768
 
 
 class ServiceProcess:
