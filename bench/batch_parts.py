@@ -16,7 +16,6 @@ part, in ms. The statement's wall time includes Postgres; its CPU time is psycop
 from __future__ import annotations
 
 import argparse
-import resource
 import statistics
 import sys
 import time
@@ -31,16 +30,12 @@ from psycopg.rows import dict_row
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script
 
 from bench.claim_complete import TOOL_IDS, bench_database, load_queue
+from bench.floors import own_cpu
 from generation.task.v1 import task_pb2
 from service.rpcs import BINDINGS, STATEMENTS
 from service.settings import Settings
 
 Parts = dict[str, list[tuple[float, float]]]
-
-
-def own_cpu() -> float:
-    used = resource.getrusage(resource.RUSAGE_SELF)
-    return used.ru_utime + used.ru_stime
 
 
 def timed(parts: Parts, name: str, work: Callable[[], Any]) -> Any:

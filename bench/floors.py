@@ -52,6 +52,7 @@ METHOD = "/floors.Echo/Call"
 
 
 def own_cpu() -> float:
+    """CPU seconds this process has used (user and system)."""
     used = resource.getrusage(resource.RUSAGE_SELF)
     return used.ru_utime + used.ru_stime
 
