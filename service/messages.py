@@ -112,39 +112,34 @@ def brief_task(target: task_pb2.Task, row: Row, moments: Moments) -> None:
     moments.set(target.completed_at, row["completed_at"])
 
 
-def queued_tasks(target: RepeatedCompositeFieldContainer[task_pb2.Task], rows: list[Row]) -> None:
-    """Appends the tasks QueueTasks created: the columns its statement returns (what the service
-    set). The rows of one statement share most of them (the tool, the status, one moment for
-    created_at, and for run_at and expires_at unless an item set them), so each task is a copy of
-    the first task of its shape, with its id (and key): setting each field of each task anew took
-    three times as long."""
+def queued_tasks(target: RepeatedCompositeFieldContainer[task_pb2.Task], shapes: list[Row]) -> None:
+    """Appends the tasks QueueTasks created, in item order, from its statement's rows: one per
+    shape (what its tasks share: the tool, the status, the priority, the retries and the three
+    moments), with the ids, keys and positions of its tasks. Each task is a copy of its shape's
+    first, with its id (and key): setting each field of each task anew took three times as long."""
     moment = Moments().get
-    shapes: dict[tuple[Any, ...], task_pb2.Task] = {}
-    for row in rows:
-        shape = (
-            row["tool_id"],
-            row["status"],
-            row["priority"],
-            row["max_retries"],
-            row["created_at"],
-            row["run_at"],
-            row["expires_at"],
+    created: list[tuple[task_pb2.Task, str, str | None] | None] = [None] * sum(
+        len(shape["ids"]) for shape in shapes
+    )
+    for shape in shapes:
+        first = task_pb2.Task(
+            tool_id=shape["tool_id"],
+            status=STATUSES[shape["status"]],
+            priority=shape["priority"],
+            max_retries=shape["max_retries"],
+            created_at=moment(shape["created_at"]),
+            run_at=moment(shape["run_at"]),
+            expires_at=moment(shape["expires_at"]),
         )
-        if (first := shapes.get(shape)) is None:
-            first = shapes[shape] = task_pb2.Task(
-                tool_id=row["tool_id"],
-                status=STATUSES[row["status"]],
-                priority=row["priority"],
-                max_retries=row["max_retries"],
-                created_at=moment(row["created_at"]),
-                run_at=moment(row["run_at"]),
-                expires_at=moment(row["expires_at"]),
-            )
+        keys = shape["keys"] or [None] * len(shape["ids"])
+        for position, task_id, key in zip(shape["positions"], shape["ids"], keys, strict=True):
+            created[position - 1] = (first, task_id, key)
+    for first, task_id, key in filter(None, created):
         task = target.add()
         task.CopyFrom(first)
-        task.id = row["id"]
-        if row["idempotency_key"]:
-            task.idempotency_key = row["idempotency_key"]
+        task.id = task_id
+        if key:
+            task.idempotency_key = key
 
 
 def tool(row: Row) -> task_pb2.Tool:

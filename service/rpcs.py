@@ -214,9 +214,12 @@ def _queued(rows: list[Row]) -> list[Row]:
 
 
 def respond_queue_tasks(rows: list[Row]) -> task_pb2.QueueTasksResponse:
-    queued = _queued(rows)
-    response = task_pb2.QueueTasksResponse(skipped=rows[0]["submitted"] - len(queued))
-    messages.queued_tasks(response.tasks, queued)
+    if not rows[0]["tool_found"]:
+        raise ToolNotFound("tool not found")
+    shapes = [row for row in rows if row["ids"] is not None]
+    created = sum(len(shape["ids"]) for shape in shapes)
+    response = task_pb2.QueueTasksResponse(skipped=rows[0]["submitted"] - created)
+    messages.queued_tasks(response.tasks, shapes)
     return response
 
 
@@ -715,6 +718,12 @@ def signal_queued(signals: Signals, rows: list[Row]) -> None:
         signals.task_queued(tool_id, count)
 
 
+def signal_queued_tasks(signals: Signals, rows: list[Row]) -> None:
+    """signal_queued for QueueTasks' rows, one per shape of its tasks, all of the one tool."""
+    if count := sum(len(row["ids"]) for row in rows if row["ids"] is not None):
+        signals.task_queued(rows[0]["tool_id"], count)
+
+
 def signal_requeue(signals: Signals, rows: list[Row]) -> None:
     """A task (re)queued wakes claimers; the transition's event reaches followers."""
     signal_queued(signals, rows)
@@ -802,7 +811,7 @@ BINDINGS: dict[str, Binding] = {
     "QueueTasks": Binding(
         bind_queue_tasks,
         respond_queue_tasks,
-        after=signal_queued,
+        after=signal_queued_tasks,
     ),
     "CancelTask": Binding(bind_task_id, respond_cancel, after=signal_event),
     "CancelTasks": Binding(bind_cancel_tasks, respond_cancel_tasks, after=signal_event),

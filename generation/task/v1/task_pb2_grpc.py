@@ -246,8 +246,11 @@ class GenerationDataServiceServicer:
         """Enqueues many tasks of one tool in one statement. Items whose idempotency_key is already
         used are skipped (their tasks are not returned). Each created task is answered with what the
         service set, not with what the request sent (see QueueTasksResponse.tasks): a thousand whole
-        rows, inputs included, cost more to return and convert than to insert. The ids come back as
-        text: a thousand UUID objects made and printed again were a quarter of the answer's time.
+        rows, inputs included, cost more to return and convert than to insert. The statement answers
+        one row per shape (the columns its tasks share: one now() for created_at, and for run_at and
+        expires_at unless an item set them), with the ids, keys and item positions of its tasks as
+        arrays: a thousand rows of three timestamps each took the service longer to read than the
+        arrays (3.5 against 0.5 ms); the ids come back as text, not as UUID objects made and printed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

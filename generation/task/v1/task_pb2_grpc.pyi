@@ -56,8 +56,11 @@ class GenerationDataServiceStub:
     """Enqueues many tasks of one tool in one statement. Items whose idempotency_key is already
     used are skipped (their tasks are not returned). Each created task is answered with what the
     service set, not with what the request sent (see QueueTasksResponse.tasks): a thousand whole
-    rows, inputs included, cost more to return and convert than to insert. The ids come back as
-    text: a thousand UUID objects made and printed again were a quarter of the answer's time.
+    rows, inputs included, cost more to return and convert than to insert. The statement answers
+    one row per shape (the columns its tasks share: one now() for created_at, and for run_at and
+    expires_at unless an item set them), with the ids, keys and item positions of its tasks as
+    arrays: a thousand rows of three timestamps each took the service longer to read than the
+    arrays (3.5 against 0.5 ms); the ids come back as text, not as UUID objects made and printed.
     """
     ClaimNextTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.ClaimNextTaskRequest, _task_pb2.ClaimNextTaskResponse]
     """Claims the next task of a tool (generation.claim_tasks_v3 with a limit of 1: one UPDATE of
@@ -239,8 +242,11 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     """Enqueues many tasks of one tool in one statement. Items whose idempotency_key is already
     used are skipped (their tasks are not returned). Each created task is answered with what the
     service set, not with what the request sent (see QueueTasksResponse.tasks): a thousand whole
-    rows, inputs included, cost more to return and convert than to insert. The ids come back as
-    text: a thousand UUID objects made and printed again were a quarter of the answer's time.
+    rows, inputs included, cost more to return and convert than to insert. The statement answers
+    one row per shape (the columns its tasks share: one now() for created_at, and for run_at and
+    expires_at unless an item set them), with the ids, keys and item positions of its tasks as
+    arrays: a thousand rows of three timestamps each took the service longer to read than the
+    arrays (3.5 against 0.5 ms); the ids come back as text, not as UUID objects made and printed.
     """
     ClaimNextTask: _aio.UnaryUnaryMultiCallable[_task_pb2.ClaimNextTaskRequest, _task_pb2.ClaimNextTaskResponse]  # type: ignore[assignment]
     """Claims the next task of a tool (generation.claim_tasks_v3 with a limit of 1: one UPDATE of
@@ -437,8 +443,11 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         """Enqueues many tasks of one tool in one statement. Items whose idempotency_key is already
         used are skipped (their tasks are not returned). Each created task is answered with what the
         service set, not with what the request sent (see QueueTasksResponse.tasks): a thousand whole
-        rows, inputs included, cost more to return and convert than to insert. The ids come back as
-        text: a thousand UUID objects made and printed again were a quarter of the answer's time.
+        rows, inputs included, cost more to return and convert than to insert. The statement answers
+        one row per shape (the columns its tasks share: one now() for created_at, and for run_at and
+        expires_at unless an item set them), with the ids, keys and item positions of its tasks as
+        arrays: a thousand rows of three timestamps each took the service longer to read than the
+        arrays (3.5 against 0.5 ms); the ids come back as text, not as UUID objects made and printed.
         """
 
     @_abc_1.abstractmethod
