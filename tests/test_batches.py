@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import psycopg
 import pytest
-from google.protobuf import duration_pb2, timestamp_pb2
+from google.protobuf import duration_pb2, json_format, timestamp_pb2
 
 from generation.task.v1 import task_pb2
 from tests.conftest import ServiceProcess, wait_for
@@ -379,16 +379,31 @@ def test_queue_tasks_answers_each_item_as_stored(stub: Stub, tool_id: str) -> No
         task_pb2.QueueTaskRequest(input={"n": 2}, ttl=duration_pb2.Duration(seconds=60)),
         task_pb2.QueueTaskRequest(input={"n": 3}, idempotency_key=key, max_retries=0),
         task_pb2.QueueTaskRequest(input={"n": 4}),
+        # What an item leaves out when it is the statement's default: these are not defaults.
+        task_pb2.QueueTaskRequest(ttl=duration_pb2.Duration(seconds=0), priority=-5),
+        task_pb2.QueueTaskRequest(input={}, reserved_token_amount=12),
     ]
     answer = stub.QueueTasks(task_pb2.QueueTasksRequest(tool_id=tool_id, tasks=items)).tasks
     assert len({task.id for task in answer}) == len(items)
     fields = ("id", "tool_id", "status", "priority", "max_retries", "idempotency_key")
     moments = ("created_at", "run_at", "expires_at")
-    for task in answer:
-        stored = stub.GetTask(task_pb2.GetTaskRequest(task_id=task.id)).task
+    stored = [stub.GetTask(task_pb2.GetTaskRequest(task_id=task.id)).task for task in answer]
+    for task, kept in zip(answer, stored, strict=True):
         assert [getattr(task, name) for name in fields + moments] == [
-            getattr(stored, name) for name in fields + moments
+            getattr(kept, name) for name in fields + moments
         ], task.id
+    assert [json_format.MessageToDict(kept.input) for kept in stored] == [
+        {"n": 0},
+        {"n": 1},
+        {"n": 2},
+        {"n": 3},
+        {"n": 4},
+        {},
+        {},
+    ]
+    assert not answer[5].HasField("expires_at"), "a TTL of 0 never expires"
+    assert answer[5].priority == -5
+    assert stored[6].reserved_token_amount == 12 and stored[0].reserved_token_amount == 0
     assert answer[1].run_at == later and answer[1].priority == 7
     assert answer[2].expires_at.seconds - answer[2].run_at.seconds == 60
     assert (answer[3].idempotency_key, answer[3].max_retries) == (key, 0)
