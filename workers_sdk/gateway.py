@@ -44,6 +44,13 @@ MAX_ENQUEUE_BYTES = 2 * 1024 * 1024
 """Most bytes of items in one QueueTasks: well under the service's receive limit
 (GENQ_MAX_MESSAGE_BYTES, 4 MiB); an item bigger than this goes in a call of its own."""
 
+ENQUEUE_CONCURRENCY = 4
+"""QueueTasks calls `enqueue_many` keeps in flight by default. One at a time, the SDK, the
+service and Postgres take turns on each call and a call of 1,000 takes about 40 ms; four keep
+them all busy: 1.2 x PGQueuer's batched enqueue against 0.6 x on the bench's two cores
+(docs/BENCHMARKS.md, seventh round). The price is the order between calls in flight together:
+`concurrency=1` keeps the items' order across calls too."""
+
 
 @dataclass(frozen=True)
 class NewTask:
@@ -139,7 +146,7 @@ class GatewayClient:
         priority: int | None = None,
         max_retries: int | None = None,
         reserved_token_amount: int = 0,
-        concurrency: int = 1,
+        concurrency: int = ENQUEUE_CONCURRENCY,
     ) -> Enqueued:
         """Queues many tasks of one tool: each item is a task's input, or a `NewTask` with
         options of its own (those it leaves None take this call's). Sent as QueueTasks of up to
@@ -150,10 +157,12 @@ class GatewayClient:
         whatever the input (the service's QueueTasks skips it). Runs in one span "enqueue_many
         <tool_id>", whose traceparent every task stores.
 
-        With `concurrency` above 1 the calls commit in no set order, so FIFO among equal
-        priorities holds within each 1,000 only; 1 (the default) keeps the items' order. A call
-        that fails raises its GenqError; the calls before it are queued (and with idempotency
-        keys, calling again with the same items queues only what is missing).
+        Calls in flight together (up to `concurrency`, ENQUEUE_CONCURRENCY by default) commit
+        in no set order: FIFO among equal priorities holds within each call of 1,000 and between
+        calls that were not in flight together; `concurrency=1` keeps the items' order
+        throughout, at about half the speed. A call that fails raises its
+        GenqError; the calls answered before it are queued, those in flight with it may be
+        (with idempotency keys, calling again with the same items queues only what is missing).
         """
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
