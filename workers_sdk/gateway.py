@@ -46,7 +46,7 @@ MAX_ENQUEUE_BYTES = 2 * 1024 * 1024
 
 ENQUEUE_CONCURRENCY = 4
 """QueueTasks calls `enqueue_many` keeps in flight by default. One at a time, the SDK, the
-service and Postgres take turns on each call and a call of 1,000 takes about 40 ms; four keep
+service and Postgres take turns on each call (25 to 40 ms a call of 1,000); four keep
 them all busy: 1.1 to 1.7 x PGQueuer's batched enqueue on the bench's two cores, against 0.6
 to 1.2 x one at a time (docs/BENCHMARKS.md, seventh round). The price is the order between
 calls in flight together: `concurrency=1` keeps the items' order across calls too."""
