@@ -7,8 +7,10 @@ PGQueuer's own drain, in one run.
 Each round runs PGQueuer's peer script (bench/drain.py's `pgqueuer`, the `bench` extra), then, for
 each client count K, on the service's schema (bench/claim_complete.py's database: migrated,
 synchronous_commit on) loaded with `--tasks` queued tasks over 4 tools (TRUNCATE, VACUUM
-ANALYZE, CHECKPOINT first), `pgbench -n -M prepared -c K` of BATCH_SCRIPT until the queue is
-empty: one statement claims up to 100 tasks of a tool (the claim index, SKIP LOCKED) and writes
+ANALYZE, CHECKPOINT first), `pgbench -n -M prepared -c K` of BATCH_SCRIPT, each client
+`--tasks` / 100 / K + 2 times, on a tool picked at random each time (so a few hundred tasks are
+usually left queued; the rate counts those completed): one statement claims up to 100 tasks
+of a tool (the claim index, SKIP LOCKED) and writes
 what a claim must (each run started, its attempt, its `started` event); a second completes those
 100 (each run ended if its lease holds, its attempt closed, its terminal event). No gates,
 spend, limits, confirmations, polls, gRPC or Python: what any service keeping these records

@@ -279,6 +279,18 @@ def test_enqueue_to_an_unknown_tool_is_not_found(service: ServiceProcess) -> Non
     assert caught.value.reason is Reason.TOOL_NOT_FOUND
 
 
+def test_enqueue_many_to_an_unknown_tool_raises_the_calls_error(service: ServiceProcess) -> None:
+    """With its default calls in flight, a failed call raises its GenqError, not a group of
+    them, as one call at a time does."""
+
+    async def scenario(gateway: GatewayClient, client: GenqClient) -> None:
+        await gateway.enqueue_many(str(uuid.uuid4()), [{"n": n} for n in range(2_500)])
+
+    with pytest.raises(GenqError) as caught:
+        run_with_gateway(service, scenario)
+    assert caught.value.reason is Reason.TOOL_NOT_FOUND
+
+
 def test_upsert_tool_is_idempotent(service: ServiceProcess) -> None:
     name = f"tool-{uuid.uuid4().hex[:12]}"
 
