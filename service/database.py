@@ -23,6 +23,9 @@ from service.settings import Settings
 log = logging.getLogger(__name__)
 
 KEEPALIVE_PROBES = 3
+DEADLOCK_RETRIES = 3
+"""Runs again of a statement Postgres rolled back to break a deadlock, before the caller sees
+UNAVAILABLE (each run waits deadlock_timeout, 1 s by default, before it is chosen)."""
 
 
 def connection_kwargs(url: str, settings: Settings) -> dict[str, Any]:
@@ -141,16 +144,28 @@ class Database:
         wait: float,
         then: tuple[str, dict[str, Any]] | None,
     ) -> list[Row]:
+        deadlocks = 0
         try:
-            # A migration changed a table under statements prepared on the pooled connections (a
-            # rolling deploy: docs/OPERATIONS.md, "Upgrading"). Nothing ran, and _run dropped
-            # the connection with its prepared statements: run it again, on the next one.
             for _ in range(self.pool.max_size):
                 try:
                     return await self._run(sql, params, wait, then)
                 except psycopg.errors.FeatureNotSupported as error:
+                    # A migration changed a table under statements prepared on the pooled
+                    # connections (a rolling deploy: docs/OPERATIONS.md, "Upgrading"). Nothing
+                    # ran, and _run dropped the connection with its prepared statements: run it
+                    # again, on the next one.
                     if "cached plan must not change result type" not in str(error):
                         raise
+                except psycopg.errors.DeadlockDetected:
+                    # Postgres chose this statement to break a wait cycle and rolled all of it
+                    # back, so running it again is the caller's own retry. Transitions lock in
+                    # one order and never meet here; two enqueues whose new idempotency keys
+                    # come in opposite orders do (docs/ARCHITECTURE.md, "The lock order"). The
+                    # other side has gone on: the second run waits for it, not in a cycle.
+                    deadlocks += 1
+                    if deadlocks > DEADLOCK_RETRIES:
+                        raise
+                    log.info("statement lost a deadlock; running it again")
             return await self._run(sql, params, wait, then)
         except (psycopg.Error, psycopg_pool.PoolTimeout) as error:
             translated = from_database(error)

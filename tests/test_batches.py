@@ -409,3 +409,45 @@ def test_queue_tasks_answers_each_item_as_stored(stub: Stub, tool_id: str) -> No
     assert (answer[3].idempotency_key, answer[3].max_retries) == (key, 0)
     assert answer[0].run_at == answer[4].run_at, "one statement, one moment"
     assert answer[0].expires_at.seconds - answer[0].run_at.seconds == 7 * 86_400  # the default
+
+
+def test_queue_tasks_in_opposite_key_orders_both_succeed(
+    stub: Stub, db: Db, tool_id: str, database_url: str
+) -> None:
+    """Two QueueTasks whose new idempotency keys come in opposite orders wait on each other's
+    keys: Postgres breaks the cycle by rolling one back, and the service runs that one again
+    (it used to answer UNAVAILABLE). Ordered here by a key a third transaction holds: the first
+    call takes `a`, waits on `x`; the second takes `b`, waits on `a`; `x` let go, the first
+    reaches `b`, a cycle. Both succeed, and each key makes one task."""
+    run = uuid.uuid4().hex
+    a, b, x = (f"{name}-{run}" for name in "abx")
+
+    def enqueue(keys: list[str]) -> task_pb2.QueueTasksResponse:
+        items = [task_pb2.QueueTaskRequest(idempotency_key=key) for key in keys]
+        return stub.QueueTasks(task_pb2.QueueTasksRequest(tool_id=tool_id, tasks=items))
+
+    def waiting_on_a_key(n: int) -> bool:
+        waits = db.execute(
+            "SELECT count(*) AS n FROM pg_stat_activity "
+            "WHERE wait_event_type = 'Lock' AND query LIKE '%%jsonb_to_recordset%%'"
+        ).fetchone()
+        return waits == {"n": n}
+
+    with psycopg.connect(database_url) as holder, ThreadPoolExecutor(2) as pool:
+        holder.execute(
+            "INSERT INTO generation.tasks (tool_id, idempotency_key) VALUES (%s, %s)",
+            [tool_id, x],
+        )
+        first = pool.submit(enqueue, [a, x, b])
+        wait_for(lambda: waiting_on_a_key(1), what="the first call waiting on x")
+        second = pool.submit(enqueue, [b, a])
+        wait_for(lambda: waiting_on_a_key(2), what="the second call waiting on a")
+        holder.rollback()
+        answers = [first.result(timeout=30), second.result(timeout=30)]
+    created = sorted(task.idempotency_key for answer in answers for task in answer.tasks)
+    assert created == sorted([a, b, x])
+    assert sum(answer.skipped for answer in answers) == 2
+    stored = db.execute(
+        "SELECT count(*) AS n FROM generation.tasks WHERE idempotency_key = ANY (%s)", [[a, b, x]]
+    ).fetchone()
+    assert stored == {"n": 3}

@@ -164,8 +164,8 @@ class GatewayClient:
         GenqError; the calls answered before it are queued, those in flight with it may be
         (with idempotency keys, calling again with the same items queues only what is missing).
         Two calls in flight together that insert the same new idempotency keys in opposite
-        orders can deadlock in Postgres; one of them then fails (INTERNAL) and is not queued:
-        keep repeated keys in one order, or pass `concurrency=1`.
+        orders wait on each other; Postgres rolls one back after its deadlock_timeout (1 s) and
+        the service runs that one again, so both succeed, about a second late.
         """
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
