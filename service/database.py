@@ -104,6 +104,7 @@ class Database:
         params: dict[str, Any],
         timeout: float | None = None,
         then: tuple[str, dict[str, Any]] | None = None,
+        rerun_deadlocks: bool = False,
     ) -> list[Row]:
         """Runs one statement; a database failure comes out as a ServiceError when it means one.
 
@@ -112,6 +113,9 @@ class Database:
         that passes after the commit loses the answer but not the change: the caller's retry
         runs the statement again (each transition answers its own retry) and writes a second
         audit row, for a second call.
+
+        `rerun_deadlocks`: the statement can wait in a cycle by design; when Postgres rolls it
+        back to break one, it runs again (DEADLOCK_RETRIES times at most).
 
         The whole call, the wait for a pool connection and the statement, takes at most `timeout`
         seconds (the caller's remaining deadline) and never more than `default_timeout`; the wait
@@ -124,7 +128,9 @@ class Database:
             raise DatabaseUnavailable("deadline exceeded before the database was asked")
         # A task of its own: cancelling psycopg mid-statement waits for the server (it sends
         # a cancel request and reads the answer), which a frozen server never gives.
-        work = asyncio.ensure_future(self._fetch(sql, params, min(bound, self.pool_timeout), then))
+        work = asyncio.ensure_future(
+            self._fetch(sql, params, min(bound, self.pool_timeout), then, rerun_deadlocks)
+        )
         try:
             done, _ = await asyncio.wait((work,), timeout=bound)
         except BaseException:  # the caller was cancelled (its RPC ended): it does not wait
@@ -143,10 +149,11 @@ class Database:
         params: dict[str, Any],
         wait: float,
         then: tuple[str, dict[str, Any]] | None,
+        rerun_deadlocks: bool,
     ) -> list[Row]:
-        deadlocks = 0
+        stale = deadlocks = 0
         try:
-            for _ in range(self.pool.max_size):
+            while True:
                 try:
                     return await self._run(sql, params, wait, then)
                 except psycopg.errors.FeatureNotSupported as error:
@@ -156,17 +163,19 @@ class Database:
                     # again, on the next one.
                     if "cached plan must not change result type" not in str(error):
                         raise
+                    stale += 1
+                    if stale > self.pool.max_size:
+                        raise
                 except psycopg.errors.DeadlockDetected:
                     # Postgres chose this statement to break a wait cycle and rolled all of it
-                    # back, so running it again is the caller's own retry. Transitions lock in
-                    # one order and never meet here; two enqueues whose new idempotency keys
-                    # come in opposite orders do (docs/ARCHITECTURE.md, "The lock order"). The
-                    # other side has gone on: the second run waits for it, not in a cycle.
+                    # back, so running it again is the caller's own retry; the other side has
+                    # gone on, and the second run waits for it, not in a cycle. Only for a
+                    # statement that can meet such a cycle by design (an enqueue's new keys):
+                    # any other deadlock is a break of the lock order and must be seen.
                     deadlocks += 1
-                    if deadlocks > DEADLOCK_RETRIES:
+                    if not rerun_deadlocks or deadlocks > DEADLOCK_RETRIES:
                         raise
                     log.info("statement lost a deadlock; running it again")
-            return await self._run(sql, params, wait, then)
         except (psycopg.Error, psycopg_pool.PoolTimeout) as error:
             translated = from_database(error)
             if translated is None:

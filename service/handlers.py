@@ -125,6 +125,7 @@ class Handlers:
                         params,
                         timeout=_remaining(context),
                         then=self.guard.audit(caller, method.name, request),
+                        rerun_deadlocks=binding.rerun_deadlocks,
                     )
                 if binding.after is not None:
                     binding.after(self.signals, rows)

@@ -78,6 +78,9 @@ class Binding:
     """Signals to send once the statement has committed (wakes, events)."""
     park: Callable[[Any, Params, Settings], tuple[str, float]] | None = None
     """For a claim that may wait: the tool to park on and for how long."""
+    rerun_deadlocks: bool = False
+    """The statement can wait in a cycle by design (an enqueue's new idempotency keys, in
+    another call's opposite order): run it again when Postgres rolls it back to break one."""
 
 
 def _found(rows: list[Row]) -> Row:
@@ -819,6 +822,7 @@ BINDINGS: dict[str, Binding] = {
         bind_queue_tasks,
         respond_queue_tasks,
         after=signal_queued_tasks,
+        rerun_deadlocks=True,
     ),
     "CancelTask": Binding(bind_task_id, respond_cancel, after=signal_event),
     "CancelTasks": Binding(bind_cancel_tasks, respond_cancel_tasks, after=signal_event),

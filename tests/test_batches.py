@@ -429,7 +429,8 @@ def test_queue_tasks_in_opposite_key_orders_both_succeed(
     def waiting_on_a_key(n: int) -> bool:
         waits = db.execute(
             "SELECT count(*) AS n FROM pg_stat_activity "
-            "WHERE wait_event_type = 'Lock' AND query LIKE '%%jsonb_to_recordset%%'"
+            "WHERE datname = current_database() AND wait_event_type = 'Lock' "
+            "AND query LIKE '%%jsonb_to_recordset%%'"
         ).fetchone()
         return waits == {"n": n}
 

@@ -309,9 +309,10 @@ class RecordingDatabase(Database):
         params: dict[str, Any],
         timeout: float | None = None,
         then: tuple[str, dict[str, Any]] | None = None,
+        rerun_deadlocks: bool = False,
     ) -> list[Row]:
         self.statements.append((sql, params))
-        return await super().fetch(sql, params, timeout, then)
+        return await super().fetch(sql, params, timeout, then, rerun_deadlocks)
 
 
 def ledger_scans(plan: dict[str, Any]) -> list[str]:

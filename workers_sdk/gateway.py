@@ -165,7 +165,8 @@ class GatewayClient:
         (with idempotency keys, calling again with the same items queues only what is missing).
         Two calls in flight together that insert the same new idempotency keys in opposite
         orders wait on each other; Postgres rolls one back after its deadlock_timeout (1 s) and
-        the service runs that one again, so both succeed, about a second late.
+        the service runs that one again (3 times at most, within the call's deadline), so both
+        succeed, about a second late.
         """
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
