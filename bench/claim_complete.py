@@ -151,7 +151,9 @@ def load_queue(url: str, tasks: int) -> None:
     created_at (1 ms apart), then VACUUM ANALYZE and a CHECKPOINT so no phase inherits the
     previous one's dead rows, missing statistics or pending dirty pages."""
     with psycopg.connect(url, autocommit=True) as connection:
-        connection.execute("TRUNCATE generation.tasks CASCADE")
+        # The tasks and, on the service's schema, their events (no foreign key to cascade).
+        events = ", generation.task_events" if columns(connection, "task_events") else ""
+        connection.execute(f"TRUNCATE generation.tasks{events}")
         # The claim orders by created_at, or by run_at where the schema has it: both 1 ms apart.
         times = [name for name in ("created_at", "run_at") if name in columns(connection, "tasks")]
         when = "now() - make_interval(secs => (%(n)s - i) / 1000.0)"

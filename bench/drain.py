@@ -102,6 +102,8 @@ CAP = 10**17
 TOOL = "noop"
 DRAIN_BAR, ENQUEUE_BAR = 2.0, 1.0
 CPU_PARTIES = ("service", "postgres", "workers", "machine", "other")
+EMPTY_QUEUE = "TRUNCATE generation.tasks, generation.task_events"
+"""The queue emptied between phases: the tasks and their events (no foreign key to cascade)."""
 
 try:
     import psutil  # type: ignore[import-untyped,unused-ignore]
@@ -377,7 +379,7 @@ def drain(
     """`tools` (name -> id; default {TOOL: tool_id}): the N tasks are spread evenly over them
     (enqueued tool after tool) and every worker hosts them all."""
     tools = tools or {TOOL: tool_id}
-    execute(url, "TRUNCATE generation.tasks CASCADE", "VACUUM ANALYZE", "CHECKPOINT")
+    execute(url, EMPTY_QUEUE, "VACUUM ANALYZE", "CHECKPOINT")
     shares = split(args.tasks, len(tools))
     started = time.perf_counter()
     for share, each in zip(shares, tools.values(), strict=True):
@@ -470,7 +472,7 @@ def genq(args: argparse.Namespace) -> tuple[list[Drain], float]:
             result = drain(args, service, url, tool_id, workers)
             results.append(result)
             report(args, result)
-        execute(url, "TRUNCATE generation.tasks CASCADE", "VACUUM ANALYZE", "CHECKPOINT")
+        execute(url, EMPTY_QUEUE, "VACUUM ANALYZE", "CHECKPOINT")
         concurrent = asyncio.run(
             enqueue(service.address, tool_id, args.tasks, args.enqueue_concurrency)
         )

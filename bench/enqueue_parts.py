@@ -129,7 +129,7 @@ def main() -> None:
             print(f"{label}, {args.items:,} items (median of {args.rounds}, ms):")
             for name, ms in measured.items():
                 print(f"  {name:<30} {ms:7.1f}")
-            db.execute("TRUNCATE generation.tasks CASCADE")
+            db.execute("TRUNCATE generation.tasks, generation.task_events")
 
 
 if __name__ == "__main__":

@@ -170,8 +170,10 @@ CREATE TYPE generation.task_event_kind AS ENUM (
     'cancelled', 'expired', 'started', 'cancel_requested'
 );
 
+-- No foreign key (alembic 0016): every event is appended by a transition that holds its task's
+-- row, and PurgeTasks deletes a task's events with it.
 CREATE TABLE generation.task_events (
-    task_id uuid NOT NULL REFERENCES generation.tasks (id) ON DELETE CASCADE,
+    task_id uuid NOT NULL,
     sequence bigint NOT NULL,
     kind generation.task_event_kind NOT NULL,
     data jsonb NOT NULL DEFAULT '{}',
