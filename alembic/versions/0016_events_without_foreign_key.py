@@ -4,10 +4,10 @@ The foreign key task_events.task_id -> tasks.id ran a check per appended event (
 SHARE` look-up of the task, fired after the statement): every claim appends a `started` event
 and every report a terminal one, so a drained task paid two of them (1.3 ms of a claim of 100
 in psql, 0.7 ms of its completion; within noise in a whole drain: docs/BENCHMARKS.md, ninth
-round), for a rule the service cannot break. Every event is appended by a transition function that has just
-locked and read its task (`append_event_v1` inserts from the task's own row), and the one
-statement that deletes tasks, PurgeTasks', now deletes their events in the same statement (the
-key's ON DELETE CASCADE did that before).
+round), for a rule the service cannot break. Every event is appended by a transition function
+that has just locked and read its task (`append_event_v1` inserts from the task's own row), and
+the one statement that deletes tasks, PurgeTasks', now deletes their events in the same
+statement (the key's ON DELETE CASCADE did that before).
 
 Rolling: no statement of a newer replica relies on the key. An older replica's purge, while it
 still runs, deletes tasks without their events; those events are never read (WatchTaskEvents
