@@ -2,8 +2,9 @@
 and the tasks in flight, with fresh statistics, with none (right after a bulk load), and with the
 generic plan a prepared statement ends up on.
 
-The claim is generation.claim_tasks_v3; auto_explain (nested statements, sent to the client as
-notices) shows the plan of its pick, and EXPLAIN of the call counts the buffers of all of it."""
+The claim is generation.claim_tasks_v4, one statement when no gate applies (as here); auto_explain
+(nested statements, sent to the client as notices) shows the plan of that statement, whose
+`picked` CTE is the pick, and EXPLAIN of the call counts the buffers of all of it."""
 
 from __future__ import annotations
 
@@ -86,7 +87,19 @@ def claim_plan(
         if "FOR NO KEY UPDATE OF q SKIP LOCKED" in text and "{" in text
     ]
     assert len(picks) == 1, notices
-    return plan, picks[0]["Plan"]
+    return plan, cte(picks[0]["Plan"], "picked")
+
+
+def cte(plan: dict[str, Any], name: str) -> dict[str, Any]:
+    """The node of the statement's CTE `name`."""
+    if plan.get("Subplan Name") == f"CTE {name}":
+        return plan
+    for child in plan.get("Plans", []):
+        try:
+            return cte(child, name)
+        except LookupError:
+            pass
+    raise LookupError(f"no CTE {name}")
 
 
 def _explained_claim(
@@ -310,3 +323,58 @@ def test_batch_reports_read_their_own_rows_whatever_is_in_flight(databases: Data
             # Each batch reads its 100 tasks and attempts a few times over (locks, updates, the
             # lookups of refused items), never the 1,800 others in flight.
             assert read["tasks"] <= 6 * batch and read["attempts"] <= 6 * batch, read
+
+
+def test_a_free_claim_and_its_completion_run_in_one_statement_each(databases: Databases) -> None:
+    """The default path is the fast one: with no gate, limit or money in play, ClaimNextTask and
+    CompleteTask never call the older functions they fall back to (claim_tasks_v3,
+    complete_task_v2); a paid claim does."""
+    url = url_for(databases.create("one_statement"))
+    with psycopg.connect(url, row_factory=dict_row) as connection:
+        connection.execute("SET track_functions = 'pl'")
+        free, paid = make_tool(connection), make_tool(connection)
+        connection.execute(
+            "UPDATE generation.tools SET cost_estimate_nanos = 10 WHERE id = %s", [paid]
+        )
+        connection.execute("INSERT INTO generation.tasks (tool_id) VALUES (%s), (%s)", [free, paid])
+        connection.commit()
+
+        def called(statement: str, params: dict[str, Any]) -> dict[str, Any]:
+            found = connection.execute(statement, params).fetchone()
+            assert found is not None
+            functions = connection.execute(
+                "SELECT funcname, calls FROM pg_stat_xact_user_functions"
+            ).fetchall()
+            connection.rollback()
+            return {**found, "functions": {f["funcname"]: f["calls"] for f in functions}}
+
+        gates = {"lease_seconds": 120, "disabled_override": False, "cap_override": None}
+        claimed = called(STATEMENTS["ClaimNextTask"], {"tool_id": free, **gates})
+        assert claimed["id"] is not None
+        assert claimed["functions"].keys() >= {"claim_tasks_v4"}
+        assert "claim_tasks_v3" not in claimed["functions"]
+        paid_claim = called(STATEMENTS["ClaimNextTask"], {"tool_id": paid, **gates})
+        assert paid_claim["id"] is not None
+        assert "claim_tasks_v3" in paid_claim["functions"], "money moves: v3 decides"
+
+        connection.execute(STATEMENTS["ClaimNextTask"], {"tool_id": free, **gates})
+        lease = connection.execute(
+            "SELECT id, lease_token FROM generation.tasks WHERE tool_id = %s", [free]
+        ).fetchone()
+        assert lease is not None
+        connection.commit()
+        report = {
+            "task_id": lease["id"],
+            "lease_token": lease["lease_token"],
+            "output": None,
+            "reported_usage": None,
+            "cost_nanos": 0,
+            "resource_key": None,
+        }
+        completed = called(STATEMENTS["CompleteTask"], report)
+        assert completed["status"] == "completed"
+        assert "complete_task_v3" in completed["functions"]
+        assert "complete_task_v2" not in completed["functions"]
+        costed = called(STATEMENTS["CompleteTask"], {**report, "cost_nanos": 5})
+        assert costed["status"] == "completed"
+        assert "complete_task_v2" in costed["functions"], "money moves: v2 decides"

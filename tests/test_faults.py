@@ -391,9 +391,9 @@ def test_a_retried_complete_while_the_first_still_commits_gets_the_same_answer(
         blocker.execute("SELECT 1 FROM generation.tasks WHERE id = %s FOR UPDATE", [task.id])
         with ThreadPoolExecutor(2) as pool:
             first = pool.submit(stub.CompleteTask, request, timeout=20)
-            wait_for(lambda: waiting_on_lock(db, "complete_task_v2") >= 1, what="the first")
+            wait_for(lambda: waiting_on_lock(db, "complete_task_v3") >= 1, what="the first")
             retry = pool.submit(stub.CompleteTask, request, timeout=20)
-            wait_for(lambda: waiting_on_lock(db, "complete_task_v2") >= 2, what="the retry")
+            wait_for(lambda: waiting_on_lock(db, "complete_task_v3") >= 2, what="the retry")
             blocker.rollback()
             assert first.result().task == retry.result().task
     assert row(db, task.id)["status"] == "completed"
@@ -440,7 +440,7 @@ def test_a_complete_whose_commit_answer_is_lost_is_retried_to_the_same_answer(
         lease_token=claimed.lease_token,
         reported_usage=task_pb2.ReportedUsage(token_amount=20, cost_nanos=9),
     )
-    proxy.cut_after_request(b"complete_task_v2", b"SELECT 1\x00")
+    proxy.cut_after_request(b"complete_task_v3", b"SELECT 1\x00")
     with pytest.raises(grpc.RpcError) as caught:
         stub.CompleteTask(request, timeout=20)
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE, "retryable, as clients do"

@@ -509,6 +509,23 @@ def test_the_stricter_cap_wins(stub: Stub, sdb: Db) -> None:
     assert (tool.reserved_nanos, tool.daily_cap_nanos) == (UNIT, UNIT + UNIT // 2)
 
 
+def test_a_batch_of_a_free_tool_stops_at_a_task_the_cap_has_no_room_for(
+    stub: Stub, sdb: Db
+) -> None:
+    """Claim order holds across the one-statement claim (claim_tasks_v4) and the rules it hands
+    over to: a task estimated above the cap, queued between two free ones, stops the batch there,
+    and the free task behind it is not taken instead."""
+    set_cap(stub, 100)
+    tool_id = new_tool(stub)
+    first = queue(stub, tool_id)
+    queue(stub, tool_id, cost_estimate_nanos=1_000)
+    queue(stub, tool_id)
+    batch = stub.ClaimTasks(task_pb2.ClaimTasksRequest(tool_id=tool_id, limit=3))
+    assert [claimed.task.id for claimed in batch.tasks] == [first.id]
+    assert idle(stub, tool_id) == "capped", "the estimated task heads the queue"
+    assert counters(sdb)["reserved"] == 0
+
+
 def test_a_per_task_estimate_overrides_the_tools(stub: Stub, sdb: Db) -> None:
     set_cap(stub, 100)
     tool_id = new_tool(stub, cost_estimate_nanos=1_000)

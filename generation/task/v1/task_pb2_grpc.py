@@ -257,8 +257,9 @@ class GenerationDataServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ClaimNextTask(self, request, context):
-        """Claims the next task of a tool (generation.claim_tasks_v3 with a limit of 1: one UPDATE of
-        the row a locked, index-ordered sub-select picked). With `wait`, a claim that finds nothing
+        """Claims the next task of a tool (generation.claim_tasks_v4 with a limit of 1: one UPDATE of
+        the row a locked, index-ordered sub-select picked, in one statement with its gates when no
+        money moves). With `wait`, a claim that finds nothing
         parks in the service until a task for the tool is committed (woken in-process, or through
         Redis from other replicas), re-checking at least every GENQ_RECHECK_SECONDS, and
         returns empty when the wait runs out.
@@ -307,7 +308,7 @@ class GenerationDataServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ClaimTasks(self, request, context):
-        """Claims up to `limit` tasks of a tool in one call (generation.claim_tasks_v3): in claim order,
+        """Claims up to `limit` tasks of a tool in one call (generation.claim_tasks_v4): in claim order,
         spend admitted task by task, stopping at the first the caps have no room for, or when the
         tool is at its max_in_flight; tasks whose resource key is at its limit are passed over
         (IDLE_REASON_BUSY when that leaves nothing). `wait` as in

@@ -63,8 +63,9 @@ class GenerationDataServiceStub:
     arrays (3.5 against 0.5 ms); the ids come back as text, not as UUID objects made and printed.
     """
     ClaimNextTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.ClaimNextTaskRequest, _task_pb2.ClaimNextTaskResponse]
-    """Claims the next task of a tool (generation.claim_tasks_v3 with a limit of 1: one UPDATE of
-    the row a locked, index-ordered sub-select picked). With `wait`, a claim that finds nothing
+    """Claims the next task of a tool (generation.claim_tasks_v4 with a limit of 1: one UPDATE of
+    the row a locked, index-ordered sub-select picked, in one statement with its gates when no
+    money moves). With `wait`, a claim that finds nothing
     parks in the service until a task for the tool is committed (woken in-process, or through
     Redis from other replicas), re-checking at least every GENQ_RECHECK_SECONDS, and
     returns empty when the wait runs out.
@@ -97,7 +98,7 @@ class GenerationDataServiceStub:
     with reason TASK_NOT_STALE. Appends a `failed` (terminal) or `requeued` event.
     """
     ClaimTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.ClaimTasksRequest, _task_pb2.ClaimTasksResponse]
-    """Claims up to `limit` tasks of a tool in one call (generation.claim_tasks_v3): in claim order,
+    """Claims up to `limit` tasks of a tool in one call (generation.claim_tasks_v4): in claim order,
     spend admitted task by task, stopping at the first the caps have no room for, or when the
     tool is at its max_in_flight; tasks whose resource key is at its limit are passed over
     (IDLE_REASON_BUSY when that leaves nothing). `wait` as in
@@ -249,8 +250,9 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     arrays (3.5 against 0.5 ms); the ids come back as text, not as UUID objects made and printed.
     """
     ClaimNextTask: _aio.UnaryUnaryMultiCallable[_task_pb2.ClaimNextTaskRequest, _task_pb2.ClaimNextTaskResponse]  # type: ignore[assignment]
-    """Claims the next task of a tool (generation.claim_tasks_v3 with a limit of 1: one UPDATE of
-    the row a locked, index-ordered sub-select picked). With `wait`, a claim that finds nothing
+    """Claims the next task of a tool (generation.claim_tasks_v4 with a limit of 1: one UPDATE of
+    the row a locked, index-ordered sub-select picked, in one statement with its gates when no
+    money moves). With `wait`, a claim that finds nothing
     parks in the service until a task for the tool is committed (woken in-process, or through
     Redis from other replicas), re-checking at least every GENQ_RECHECK_SECONDS, and
     returns empty when the wait runs out.
@@ -283,7 +285,7 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     with reason TASK_NOT_STALE. Appends a `failed` (terminal) or `requeued` event.
     """
     ClaimTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.ClaimTasksRequest, _task_pb2.ClaimTasksResponse]  # type: ignore[assignment]
-    """Claims up to `limit` tasks of a tool in one call (generation.claim_tasks_v3): in claim order,
+    """Claims up to `limit` tasks of a tool in one call (generation.claim_tasks_v4): in claim order,
     spend admitted task by task, stopping at the first the caps have no room for, or when the
     tool is at its max_in_flight; tasks whose resource key is at its limit are passed over
     (IDLE_REASON_BUSY when that leaves nothing). `wait` as in
@@ -456,8 +458,9 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _task_pb2.ClaimNextTaskRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.ClaimNextTaskResponse, _abc.Awaitable[_task_pb2.ClaimNextTaskResponse]]:
-        """Claims the next task of a tool (generation.claim_tasks_v3 with a limit of 1: one UPDATE of
-        the row a locked, index-ordered sub-select picked). With `wait`, a claim that finds nothing
+        """Claims the next task of a tool (generation.claim_tasks_v4 with a limit of 1: one UPDATE of
+        the row a locked, index-ordered sub-select picked, in one statement with its gates when no
+        money moves). With `wait`, a claim that finds nothing
         parks in the service until a task for the tool is committed (woken in-process, or through
         Redis from other replicas), re-checking at least every GENQ_RECHECK_SECONDS, and
         returns empty when the wait runs out.
@@ -514,7 +517,7 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _task_pb2.ClaimTasksRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.ClaimTasksResponse, _abc.Awaitable[_task_pb2.ClaimTasksResponse]]:
-        """Claims up to `limit` tasks of a tool in one call (generation.claim_tasks_v3): in claim order,
+        """Claims up to `limit` tasks of a tool in one call (generation.claim_tasks_v4): in claim order,
         spend admitted task by task, stopping at the first the caps have no room for, or when the
         tool is at its max_in_flight; tasks whose resource key is at its limit are passed over
         (IDLE_REASON_BUSY when that leaves nothing). `wait` as in
