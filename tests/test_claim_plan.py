@@ -204,6 +204,31 @@ def test_claim_is_flat_with_statistics(loaded: psycopg.Connection[dict[str, Any]
         assert buffers(plan) <= BUFFER_BUDGET, json.dumps(plan, indent=1)
 
 
+def test_a_claim_a_gate_holds_is_flat_too(loaded: psycopg.Connection[dict[str, Any]]) -> None:
+    """When a gate applies (here a pause; a paid tool that has spent today is the same), the
+    one-statement claim must not walk the tool's queue looking for rows its gate would pass: it
+    hands over to claim_tasks_v3, which says why, within the same budget."""
+    big = make_tool(loaded)
+    bulk_load(loaded, big)
+    loaded.execute("UPDATE generation.tools SET paused = true WHERE id = %s", [big])
+    params = {
+        "tool_id": big,
+        "lease_seconds": 120,
+        "disabled_override": False,
+        "cap_override": None,
+    }
+    with loaded.transaction(force_rollback=True):
+        loaded.execute("SET LOCAL jit = off")
+        for _ in range(2):  # the second call, with plpgsql's plans cached
+            explained = loaded.execute(
+                "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + STATEMENTS["ClaimNextTask"], params
+            ).fetchone()
+        answer = loaded.execute(STATEMENTS["ClaimNextTask"], params).fetchone()
+    assert answer is not None and answer["idle_reason"] == "paused"
+    assert explained is not None
+    assert buffers(explained["QUERY PLAN"][0]["Plan"]) <= BUFFER_BUDGET
+
+
 def test_close_reads_the_ledger_by_key_after_it_grew(databases: Databases) -> None:
     """A connection keeps its plans: ones made while the attempts ledger was analyzed empty must
     not scan the whole ledger once it has grown (alembic 0010, enable_seqscan = off)."""

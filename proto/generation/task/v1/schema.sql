@@ -1329,15 +1329,15 @@ BEGIN
           AND NOT EXISTS (SELECT 1 FROM generation.holds AS h
                           WHERE h.account_group = COALESCE(tl.account_group, tl.name)
                             AND h.held_until > now())),
-    -- 2. Lock up to p_limit claimable tasks in claim order, as v3 does.
+    -- 2. Lock up to p_limit claimable tasks in claim order, as v3 does. (The gate is a test
+    --    made once before the scan, never a join: a plan that scanned the tasks first would
+    --    walk the tool's whole queue whenever a gate applies.)
     picked AS MATERIALIZED (
-        SELECT q.id, q.reclaimed, q.priority, q.run_at,
-               COALESCE(q.cost_estimate_nanos, gate.cost_estimate_nanos) AS estimate,
-               COALESCE(q.resource_key, gate.default_key) AS resource_key,
-               COALESCE(q.account_group, gate.default_group) AS account_group,
-               gate.lease, gate.today
-        FROM gate, generation.tasks AS q
-        WHERE q.tool_id = p_tool AND q.status = 'queued' AND q.retry_count < q.max_retries
+        SELECT q.id, q.reclaimed, q.priority, q.run_at, q.cost_estimate_nanos, q.resource_key,
+               q.account_group
+        FROM generation.tasks AS q
+        WHERE EXISTS (SELECT 1 FROM gate)
+          AND q.tool_id = p_tool AND q.status = 'queued' AND q.retry_count < q.max_retries
           AND q.run_at <= now() AND (q.expires_at IS NULL OR q.expires_at > now())
           AND (q.resource_key IS NULL OR NOT EXISTS (
                 SELECT 1 FROM generation.cooldowns AS c
@@ -1349,12 +1349,19 @@ BEGIN
         LIMIT p_limit
         FOR NO KEY UPDATE OF q SKIP LOCKED),
     -- 3. All of them free (no estimate, no limit on their key), or none started here.
+    run AS (
+        SELECT picked.id, picked.reclaimed, picked.priority, picked.run_at,
+               COALESCE(picked.cost_estimate_nanos, gate.cost_estimate_nanos) AS estimate,
+               COALESCE(picked.resource_key, gate.default_key) AS resource_key,
+               COALESCE(picked.account_group, gate.default_group) AS account_group,
+               gate.lease, gate.today
+        FROM picked, gate),
     admitted AS (
-        SELECT * FROM picked
+        SELECT * FROM run
         WHERE NOT EXISTS (
-            SELECT 1 FROM picked AS p
-            WHERE p.estimate <> 0 OR EXISTS (SELECT 1 FROM generation.resource_limits AS l
-                                             WHERE l.resource_key = p.resource_key))),
+            SELECT 1 FROM run AS r
+            WHERE r.estimate <> 0 OR EXISTS (SELECT 1 FROM generation.resource_limits AS l
+                                             WHERE l.resource_key = r.resource_key))),
     -- 4. Start the runs: a fresh, unconfirmed lease each, an attempt, a `started` event.
     --    (Found by `= ANY` of their ids, which bounds the scan whatever the statistics say.)
     started AS (
