@@ -4,7 +4,7 @@ generic plan a prepared statement ends up on.
 
 The claim is generation.claim_tasks_v4, one statement when no gate applies (as here); auto_explain
 (nested statements, sent to the client as notices) shows the plan of that statement, whose
-`picked` CTE is the pick, and EXPLAIN of the call counts the buffers of all of it."""
+`chosen` CTE is the pick, and EXPLAIN of the call counts the buffers of all of it."""
 
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def claim_plan(
         if "FOR NO KEY UPDATE OF q SKIP LOCKED" in text and "{" in text
     ]
     assert len(picks) == 1, notices
-    return plan, cte(picks[0]["Plan"], "picked")
+    return plan, cte(picks[0]["Plan"], "chosen")
 
 
 def cte(plan: dict[str, Any], name: str) -> dict[str, Any]:
@@ -352,35 +352,39 @@ def test_batch_reports_read_their_own_rows_whatever_is_in_flight(databases: Data
 
 def test_a_free_claim_and_its_completion_run_in_one_statement_each(databases: Databases) -> None:
     """The default path is the fast one: with no gate, limit or money in play, ClaimNextTask and
-    CompleteTask never call the older functions they fall back to (claim_tasks_v3,
-    complete_task_v2); a paid claim does."""
+    CompleteTask each run their one statement and none of the older steps they fall back to
+    (claim_tasks_v3's, complete_task_v2's); a paid claim and a costed completion run those."""
     url = url_for(databases.create("one_statement"))
     with psycopg.connect(url, row_factory=dict_row) as connection:
-        connection.execute("SET track_functions = 'pl'")
         free, paid = make_tool(connection), make_tool(connection)
         connection.execute(
             "UPDATE generation.tools SET cost_estimate_nanos = 10 WHERE id = %s", [paid]
         )
         connection.execute("INSERT INTO generation.tasks (tool_id) VALUES (%s), (%s)", [free, paid])
         connection.commit()
+        notices: list[str] = []
+        connection.add_notice_handler(lambda d: notices.append(d.message_primary or ""))
 
-        def called(statement: str, params: dict[str, Any]) -> dict[str, Any]:
+        def ran(statement: str, params: dict[str, Any]) -> tuple[dict[str, Any], str]:
+            """The answer, and the text of every statement it ran (auto_explain), rolled back."""
+            notices.clear()
+            connection.execute("LOAD 'auto_explain'")
+            connection.execute("SET LOCAL auto_explain.log_min_duration = 0")
+            connection.execute("SET LOCAL auto_explain.log_nested_statements = on")
+            connection.execute("SET LOCAL auto_explain.log_level = notice")
             found = connection.execute(statement, params).fetchone()
             assert found is not None
-            functions = connection.execute(
-                "SELECT funcname, calls FROM pg_stat_xact_user_functions"
-            ).fetchall()
             connection.rollback()
-            return {**found, "functions": {f["funcname"]: f["calls"] for f in functions}}
+            return found, "\n".join(notices)
 
+        fast_claim, step_2 = "WITH chosen AS MATERIALIZED", "tool.cost_estimate_nanos) AS estimate"
         gates = {"lease_seconds": 120, "disabled_override": False, "cap_override": None}
-        claimed = called(STATEMENTS["ClaimNextTask"], {"tool_id": free, **gates})
+        claimed, texts = ran(STATEMENTS["ClaimNextTask"], {"tool_id": free, **gates})
         assert claimed["id"] is not None
-        assert claimed["functions"].keys() >= {"claim_tasks_v4"}
-        assert "claim_tasks_v3" not in claimed["functions"]
-        paid_claim = called(STATEMENTS["ClaimNextTask"], {"tool_id": paid, **gates})
-        assert paid_claim["id"] is not None
-        assert "claim_tasks_v3" in paid_claim["functions"], "money moves: v3 decides"
+        assert fast_claim in texts and step_2 not in texts
+        claimed, texts = ran(STATEMENTS["ClaimNextTask"], {"tool_id": paid, **gates})
+        assert claimed["id"] is not None
+        assert fast_claim not in texts and step_2 in texts, "money moves: v3's steps decide"
 
         connection.execute(STATEMENTS["ClaimNextTask"], {"tool_id": free, **gates})
         lease = connection.execute(
@@ -396,10 +400,10 @@ def test_a_free_claim_and_its_completion_run_in_one_statement_each(databases: Da
             "cost_nanos": 0,
             "resource_key": None,
         }
-        completed = called(STATEMENTS["CompleteTask"], report)
+        fast_complete, v2_lock = "WITH ended AS", "WHERE id = p_task FOR NO KEY UPDATE"
+        completed, texts = ran(STATEMENTS["CompleteTask"], report)
         assert completed["status"] == "completed"
-        assert "complete_task_v3" in completed["functions"]
-        assert "complete_task_v2" not in completed["functions"]
-        costed = called(STATEMENTS["CompleteTask"], {**report, "cost_nanos": 5})
+        assert fast_complete in texts and v2_lock not in texts
+        costed, texts = ran(STATEMENTS["CompleteTask"], {**report, "cost_nanos": 5})
         assert costed["status"] == "completed"
-        assert "complete_task_v2" in costed["functions"], "money moves: v2 decides"
+        assert fast_complete not in texts and v2_lock in texts, "money moves: v2's steps decide"

@@ -1,14 +1,15 @@
 """Claims and completions that move no money run in one statement each.
 
-`claim_tasks_v4` (ClaimNextTask, ClaimTasks) and `complete_task_v3` (CompleteTask) put a
-single statement in front of `claim_tasks_v3` and `complete_task_v2`, for the case where those
-would decide nothing but the queue: no gate, limit, cooldown or hold applies, no estimate is
-reserved, no cost is reported. That statement reads the gates, picks, starts the runs and writes
-their attempts and events (or ends the run, closes its attempt and appends its event); when any
-condition fails it changes nothing and the older function decides, so each rule keeps one
-definition. The single-task pair cost Postgres about a quarter less (docs/BENCHMARKS.md, tenth
-round): most of the older functions' time was PL/pgSQL and executor start-up per statement, not
-the rows they write.
+`claim_tasks_v4` (ClaimNextTask, ClaimTasks) and `complete_task_v3` (CompleteTask) begin with
+one statement for the case where `claim_tasks_v3` and `complete_task_v2` would decide nothing
+but the queue: no gate, limit, cooldown or hold applies, no estimate is reserved, no cost is
+reported. The claim reads its gates (one small statement), then picks, starts the runs and writes
+their attempts and events in one statement; the completion ends the run, closes its attempt and
+appends its event in one. When any condition fails nothing has been changed and the previous
+version's steps, copied unchanged, decide. The free single-task pair cost Postgres about a
+quarter less (docs/BENCHMARKS.md, tenth round): most of the older functions' time was PL/pgSQL
+and executor start-up per statement, not the rows they write. The steps are copied, not called:
+a nested call cost a paid pair about an eighth more.
 
 Additive: replicas of 0016 keep calling claim_tasks_v3 and complete_task_v2, which stay.
 
@@ -25,12 +26,13 @@ branch_labels = None
 depends_on = None
 
 UPGRADE = r"""
--- Claims as claim_tasks_v3 does, in one statement when nothing but the queue decides: the
--- switch on and the global cap above today's grants, the tool not paused and free of limits,
--- cooldowns and holds, with no spend today and no zero cap of its own, and every task picked
--- estimated at 0 with a resource key without a limit. Then v3 would admit every task it picks,
--- reserve nothing and grant nothing, so the runs start here; else nothing is changed and
--- claim_tasks_v3 decides (alembic 0017).
+-- Claims as claim_tasks_v3 does (its steps 1-8 below are v3's, unchanged), first trying one
+-- statement for the case where nothing but the queue decides: the switch on and the global cap
+-- above today's grants, the tool not paused, estimated at 0 and free of limits, cooldowns and
+-- holds, with no spend today and no zero cap of its own, and every task picked estimated at 0
+-- with a resource key without a limit. Then v3 would admit every task it picks, reserve nothing and grant
+-- nothing, so the runs start there; else that statement changes nothing and v3's steps decide
+-- (alembic 0017).
 CREATE FUNCTION generation.claim_tasks_v4(
     p_tool uuid, p_limit integer, p_lease_seconds integer, p_disabled boolean, p_cap bigint
 ) RETURNS TABLE (task generation.tasks, lease_seconds integer, idle_reason text, event jsonb)
@@ -38,113 +40,389 @@ LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan SET enable_seqscan = off SET jit = off
 AS $$
 #variable_conflict use_column
+DECLARE
+    tool generation.tools;
+    s generation.settings;
+    g record;
+    today date;
+    default_key text;
+    default_group text;
+    lease integer;
+    blocked text;
+    tool_cooling boolean;
+    tool_held boolean;
+    picked record;
+    ids uuid[] := '{}';
+    estimates bigint[] := '{}';
+    keys text[] := '{}';
+    groups text[] := '{}';
+    admitted uuid[] := '{}';
+    spend_locked boolean := false;
+    used bigint;
+    share bigint;
+    granted bigint;
+    grant_made record;
+    share_grown boolean := false;
+    slice_asked boolean := false;
+    reserving bigint := 0;
+    in_flight integer;
+    limits record;
+    key_room jsonb := '{}';
+    full_keys text[];
+    tool_busy boolean;
+    busy boolean := false;
+    head record;
+    has_head boolean;
+    gate record;
 BEGIN
-    -- 0. The local day cannot move under a claim (as in v3).
+    -- 0. The local day cannot move under a claim: a time-zone change that moves it waits for
+    --    claims in flight, and they for it (update_settings_v2).
     PERFORM pg_advisory_xact_lock_shared(1734700658);
+    -- A. No gate applies: one row (read unlocked, as step 1 reads them). A paid or gated claim
+    --    pays only this before step 1.
+    SELECT COALESCE(tl.resource_key, tl.name) AS default_key,
+           COALESCE(tl.account_group, tl.name) AS default_group,
+           COALESCE(tl.lease_seconds, p_lease_seconds) AS lease, local.day AS today
+    INTO gate
+    FROM generation.tools AS tl, generation.settings AS st,
+         generation.gates_v1(p_disabled, p_cap) AS gt,
+         LATERAL (SELECT (now() AT TIME ZONE st.timezone)::date AS day) AS local
+    WHERE tl.id = p_tool AND gt.running AND NOT tl.paused AND gt.cap > 0
+      AND tl.max_in_flight IS NULL AND tl.cost_estimate_nanos = 0
+      AND (tl.daily_cap_nanos IS NULL OR tl.daily_cap_nanos > 0)
+      AND (tl.spent_day IS DISTINCT FROM local.day OR tl.spent_nanos + tl.reserved_nanos = 0)
+      AND CASE WHEN st.granted_day = local.day THEN st.granted_nanos ELSE 0 END < gt.cap
+      AND NOT EXISTS (SELECT 1 FROM generation.resource_limits AS l
+                      WHERE l.resource_key = COALESCE(tl.resource_key, tl.name))
+      AND NOT EXISTS (SELECT 1 FROM generation.cooldowns AS c
+                      WHERE c.resource_key = COALESCE(tl.resource_key, tl.name)
+                        AND c.cooling_until > now())
+      AND NOT EXISTS (SELECT 1 FROM generation.holds AS h
+                      WHERE h.account_group = COALESCE(tl.account_group, tl.name)
+                        AND h.held_until > now());
+    IF FOUND THEN
+        RETURN QUERY
+        -- B. Lock up to p_limit claimable tasks in claim order, as step 2 does.
+        WITH chosen AS MATERIALIZED (
+            SELECT q.id, q.reclaimed, q.priority, q.run_at,
+                   COALESCE(q.cost_estimate_nanos, 0) AS estimate,
+                   COALESCE(q.resource_key, gate.default_key) AS resource_key,
+                   COALESCE(q.account_group, gate.default_group) AS account_group
+            FROM generation.tasks AS q
+            WHERE q.tool_id = p_tool AND q.status = 'queued' AND q.retry_count < q.max_retries
+              AND q.run_at <= now() AND (q.expires_at IS NULL OR q.expires_at > now())
+              AND (q.resource_key IS NULL OR NOT EXISTS (
+                    SELECT 1 FROM generation.cooldowns AS c
+                    WHERE c.resource_key = q.resource_key AND c.cooling_until > now()))
+              AND (q.account_group IS NULL OR NOT EXISTS (
+                    SELECT 1 FROM generation.holds AS h
+                    WHERE h.account_group = q.account_group AND h.held_until > now()))
+            ORDER BY q.reclaimed DESC, q.priority DESC, q.run_at
+            LIMIT p_limit
+            FOR NO KEY UPDATE OF q SKIP LOCKED),
+        -- C. All of them free (no estimate, no limit on their key), or none started here.
+        free AS (
+            SELECT * FROM chosen
+            WHERE NOT EXISTS (
+                SELECT 1 FROM chosen AS o
+                WHERE o.estimate <> 0 OR EXISTS (SELECT 1 FROM generation.resource_limits AS l
+                                                 WHERE l.resource_key = o.resource_key))),
+        -- D. Start the runs as step 8 does (found by `= ANY` of their ids, which bounds the
+        --    scan whatever the statistics say).
+        started AS (
+            UPDATE generation.tasks AS t
+            SET status = 'processing',
+                started_at = COALESCE(t.started_at, now()),
+                claim_expires_at = now() + make_interval(secs => gate.lease),
+                lease_token = gen_random_uuid(),
+                lease_confirmed = false,
+                reclaimed = false,
+                attempt_count = t.attempt_count + 1,
+                last_event_seq = t.last_event_seq + 1
+            WHERE t.id = ANY (ARRAY(SELECT free.id FROM free))
+            RETURNING t AS task, t.id, t.attempt_count, t.lease_token, t.last_event_seq),
+        attempt AS (
+            INSERT INTO generation.attempts
+                (task_id, attempt, lease_token, tool_id, resource_key, account_group, local_day,
+                 estimate_nanos)
+            SELECT started.id, started.attempt_count, started.lease_token, p_tool,
+                   free.resource_key, free.account_group, gate.today, 0
+            FROM started JOIN free ON free.id = started.id),
+        event AS (
+            INSERT INTO generation.task_events (task_id, sequence, kind, data)
+            SELECT started.id, started.last_event_seq, 'started',
+                   jsonb_build_object('attempt', started.attempt_count)
+            FROM started
+            RETURNING *)
+        SELECT started.task, gate.lease, NULL::text, to_jsonb(event)
+        FROM started JOIN free ON free.id = started.id JOIN event ON event.task_id = started.id
+        ORDER BY free.reclaimed DESC, free.priority DESC, free.run_at;
+        IF FOUND THEN
+            -- E. A worker asked for the tool's work, as step 5 notes it.
+            INSERT INTO generation.tool_polls AS p (tool_id, polled_at)
+            SELECT p_tool, now()
+            WHERE NOT EXISTS (SELECT 1 FROM generation.tool_polls AS x
+                              WHERE x.tool_id = p_tool
+                                AND x.polled_at > now() - interval '5 seconds')
+            ON CONFLICT (tool_id) DO UPDATE SET polled_at = EXCLUDED.polled_at;
+            RETURN;
+        END IF;
+    END IF;
+    -- Else (a gate, a limit or money, or nothing to claim): claim_tasks_v3's steps.
+    -- 1. Read the gates, unlocked: the tool, the switch and the cap in force, its cooldown/hold.
+    SELECT * INTO tool FROM generation.tools WHERE id = p_tool;
+    IF NOT FOUND THEN
+        RETURN QUERY SELECT NULL::generation.tasks, NULL::integer, 'unknown_tool'::text, NULL::jsonb;
+        RETURN;
+    END IF;
+    SELECT * INTO s FROM generation.settings;
+    SELECT * INTO g FROM generation.gates_v1(p_disabled, p_cap);
+    today := (now() AT TIME ZONE s.timezone)::date;
+    default_key := COALESCE(tool.resource_key, tool.name);
+    default_group := COALESCE(tool.account_group, tool.name);
+    lease := COALESCE(tool.lease_seconds, p_lease_seconds);
+    used := CASE WHEN tool.spent_day = today THEN tool.spent_nanos + tool.reserved_nanos ELSE 0 END;
+    share := CASE WHEN tool.spent_day = today THEN tool.granted_nanos ELSE 0 END;
+    granted := CASE WHEN s.granted_day = today THEN s.granted_nanos ELSE 0 END;
+    blocked := CASE WHEN NOT g.running THEN 'disabled' WHEN tool.paused THEN 'paused'
+                    WHEN g.cap = 0 THEN 'capped' END;
+    tool_cooling := EXISTS (SELECT 1 FROM generation.cooldowns AS c
+                            WHERE c.resource_key = default_key AND c.cooling_until > now());
+    tool_held := EXISTS (SELECT 1 FROM generation.holds AS h
+                         WHERE h.account_group = default_group AND h.held_until > now());
+    -- Keys at their concurrency limit, and whether the tool is at its own (counted unlocked,
+    -- and again under lock in step 3; each count stops at the limit).
+    SELECT COALESCE(array_agg(l.resource_key), '{}') INTO full_keys
+    FROM generation.resource_limits AS l
+    WHERE generation.key_running_v1(l.resource_key, l.max_in_flight) >= l.max_in_flight;
+    tool_busy := default_key = ANY (full_keys) OR CASE WHEN tool.max_in_flight IS NULL THEN false
+        ELSE tool.max_in_flight <= (
+            SELECT count(*) FROM (
+                SELECT 1 FROM generation.tasks AS q
+                WHERE q.tool_id = p_tool AND q.status = 'processing'
+                LIMIT tool.max_in_flight) AS running) END;
+
+    IF blocked IS NULL AND NOT tool_cooling AND NOT tool_held AND NOT tool_busy THEN
+        -- 2. Lock up to p_limit claimable tasks in claim order, skipping rows other claimers
+        --    hold (tasks_claim_idx serves this as an index-ordered top-N).
+        FOR picked IN
+            SELECT q.id, COALESCE(q.cost_estimate_nanos, tool.cost_estimate_nanos) AS estimate,
+                   COALESCE(q.resource_key, default_key) AS resource_key,
+                   COALESCE(q.account_group, default_group) AS account_group
+            FROM generation.tasks AS q
+            WHERE q.tool_id = p_tool AND q.status = 'queued' AND q.retry_count < q.max_retries
+              AND q.run_at <= now() AND (q.expires_at IS NULL OR q.expires_at > now())
+              AND (q.resource_key IS NULL OR NOT EXISTS (
+                    SELECT 1 FROM generation.cooldowns AS c
+                    WHERE c.resource_key = q.resource_key AND c.cooling_until > now()))
+              AND (q.account_group IS NULL OR NOT EXISTS (
+                    SELECT 1 FROM generation.holds AS h
+                    WHERE h.account_group = q.account_group AND h.held_until > now()))
+              AND (q.resource_key IS NULL OR NOT q.resource_key = ANY (full_keys))
+            ORDER BY q.reclaimed DESC, q.priority DESC, q.run_at
+            LIMIT p_limit
+            FOR NO KEY UPDATE OF q SKIP LOCKED
+        LOOP
+            ids := ids || picked.id;
+            estimates := estimates || picked.estimate;
+            keys := keys || picked.resource_key;
+            groups := groups || picked.account_group;
+        END LOOP;
+
+        -- 3. The concurrency limits: lock the picked keys' limits (in key order: claims of one
+        --    key across tools take turns), then count what runs of each key in a statement of
+        --    its own, whose snapshot comes after the lock and so sees the runs of the claim that
+        --    held it; then the tool's, under its row lock. Counting stops at the limit.
+        PERFORM 1 FROM generation.resource_limits AS l WHERE l.resource_key = ANY (keys)
+        ORDER BY l.resource_key
+        FOR NO KEY UPDATE;
+        FOR limits IN
+            SELECT l.resource_key,
+                   l.max_in_flight - generation.key_running_v1(l.resource_key, l.max_in_flight)
+                       AS room
+            FROM generation.resource_limits AS l
+            WHERE l.resource_key = ANY (keys)
+        LOOP
+            key_room := key_room || jsonb_build_object(limits.resource_key, limits.room);
+        END LOOP;
+        IF tool.max_in_flight IS NOT NULL AND array_length(ids, 1) > 0 THEN
+            SELECT * INTO tool FROM generation.tools AS t WHERE t.id = p_tool FOR NO KEY UPDATE;
+            spend_locked := true;
+            today := GREATEST(today, tool.spent_day);
+            used := CASE WHEN tool.spent_day = today
+                         THEN tool.spent_nanos + tool.reserved_nanos ELSE 0 END;
+            share := CASE WHEN tool.spent_day = today THEN tool.granted_nanos ELSE 0 END;
+            SELECT tool.max_in_flight - count(*) INTO in_flight FROM (
+                SELECT 1 FROM generation.tasks AS q
+                WHERE q.tool_id = p_tool AND q.status = 'processing'
+                LIMIT tool.max_in_flight) AS running;
+        END IF;
+
+        -- 4. Admit in claim order: within the limits (a task whose key is busy stays queued and
+        --    the next is tried; a busy tool stops the claim), under the tool's own cap and
+        --    within its share of the global cap (counters of an earlier day count as nothing).
+        --    The tool's row is locked at the first task carrying an estimate; tasks estimated
+        --    at 0 reserve nothing and read the counters unlocked.
+        FOR i IN 1 .. COALESCE(array_length(ids, 1), 0) LOOP
+            IF in_flight IS NOT NULL AND in_flight <= 0 THEN
+                busy := true;
+                EXIT;
+            END IF;
+            IF (key_room ->> keys[i])::integer <= 0 THEN
+                busy := true;
+                CONTINUE;
+            END IF;
+            IF estimates[i] > 0 AND NOT spend_locked THEN
+                SELECT * INTO tool FROM generation.tools AS t WHERE t.id = p_tool FOR NO KEY UPDATE;
+                spend_locked := true;
+                -- A claim begun just before midnight that waited for a claim of the new day
+                -- counts on the new day: a day's counters never move back to the one before.
+                today := GREATEST(today, tool.spent_day);
+                used := CASE WHEN tool.spent_day = today
+                             THEN tool.spent_nanos + tool.reserved_nanos ELSE 0 END;
+                share := CASE WHEN tool.spent_day = today THEN tool.granted_nanos ELSE 0 END;
+            END IF;
+            EXIT WHEN NOT generation.within_cap_v1(
+                used, today, today, reserving, estimates[i], tool.daily_cap_nanos);
+            IF estimates[i] = 0 AND used > 0 AND used + reserving >= share
+               AND g.cap - granted >= 16 AND NOT slice_asked THEN
+                -- Its run may report a cost, as the tool's runs did today, and the tool's share
+                -- has no room left for one: ask for a slice now (once a claim, and only while a
+                -- sixteenth of the free part is worth asking for), the tool's row first.
+                slice_asked := true;
+                IF NOT spend_locked THEN
+                    SELECT * INTO tool FROM generation.tools AS t
+                    WHERE t.id = p_tool FOR NO KEY UPDATE;
+                    spend_locked := true;
+                    today := GREATEST(today, tool.spent_day);
+                    used := CASE WHEN tool.spent_day = today
+                                 THEN tool.spent_nanos + tool.reserved_nanos ELSE 0 END;
+                    share := CASE WHEN tool.spent_day = today THEN tool.granted_nanos ELSE 0 END;
+                END IF;
+                IF used + reserving >= share THEN
+                    SELECT * INTO grant_made FROM generation.grant_share_v1(
+                        p_tool, today, used + reserving - share, g.cap);
+                    IF grant_made.share_change > 0 THEN
+                        share := share + grant_made.share_change;
+                        granted := grant_made.granted;
+                        share_grown := true;
+                    END IF;
+                END IF;
+            END IF;
+            IF estimates[i] = 0 THEN
+                -- The grants bound the total spend, and it is below them while this share has
+                -- room: then the total is strictly below the cap. Else (a lowered cap left the
+                -- grants above it, say) the total itself decides, read unlocked: nothing is
+                -- reserved for it.
+                EXIT WHEN NOT (granted < g.cap OR granted <= g.cap AND used + reserving < share
+                               OR (SELECT sp.spent_nanos::numeric + sp.reserved_nanos
+                                   FROM generation.spend_today AS sp) < g.cap);
+            ELSIF used + reserving + estimates[i] > share OR granted > g.cap THEN
+                -- Short of share, or a lowered cap left the grants above it: ask for the
+                -- difference (settings' row is locked only here).
+                SELECT * INTO grant_made FROM generation.grant_share_v1(
+                    p_tool, today, used + reserving + estimates[i] - share, g.cap);
+                EXIT WHEN grant_made.share_change IS NULL;
+                share := share + grant_made.share_change;
+                granted := grant_made.granted;
+            END IF;
+            reserving := reserving + estimates[i];
+            admitted := admitted || ids[i];
+            in_flight := in_flight - 1;
+            IF key_room ? keys[i] THEN
+                key_room := jsonb_set(key_room, ARRAY[keys[i]],
+                                      to_jsonb((key_room ->> keys[i])::integer - 1));
+            END IF;
+        END LOOP;
+    END IF;
+
+    -- 5. A worker asked for the tool's work (noted at most every 5 s): the watchdog's sign that
+    --    someone is coming for it.
+    INSERT INTO generation.tool_polls AS p (tool_id, polled_at)
+    SELECT p_tool, now()
+    WHERE NOT EXISTS (SELECT 1 FROM generation.tool_polls AS x
+                      WHERE x.tool_id = p_tool AND x.polled_at > now() - interval '5 seconds')
+    ON CONFLICT (tool_id) DO UPDATE SET polled_at = EXCLUDED.polled_at;
+
+    IF array_length(admitted, 1) IS NULL THEN
+        -- 6. Nothing claimed: say why, from the first reason that holds.
+        IF blocked IS NULL AND array_length(ids, 1) > 0 THEN
+            blocked := CASE WHEN busy THEN 'busy' ELSE 'capped' END;
+        END IF;
+        IF blocked IS NULL THEN
+            SELECT COALESCE(q.resource_key, default_key) AS resource_key,
+                   COALESCE(q.account_group, default_group) AS account_group INTO head
+            FROM generation.tasks AS q
+            WHERE q.tool_id = p_tool AND q.status = 'queued' AND q.retry_count < q.max_retries
+            ORDER BY q.reclaimed DESC, q.priority DESC, q.run_at
+            LIMIT 1;
+            has_head := FOUND;
+            blocked := CASE
+                WHEN NOT has_head THEN 'empty'
+                WHEN tool_held THEN 'held'
+                WHEN tool_cooling THEN 'cooling'
+                WHEN tool_busy OR head.resource_key = ANY (full_keys) THEN 'busy'
+                WHEN EXISTS (SELECT 1 FROM generation.holds AS h
+                             WHERE h.account_group = head.account_group AND h.held_until > now())
+                    THEN 'held'
+                WHEN EXISTS (SELECT 1 FROM generation.cooldowns AS c
+                             WHERE c.resource_key = head.resource_key AND c.cooling_until > now())
+                    THEN 'cooling'
+                ELSE 'waiting' END;
+        END IF;
+        RETURN QUERY SELECT NULL::generation.tasks, NULL::integer, blocked, NULL::jsonb;
+        RETURN;
+    END IF;
+
+    -- 7. Reserve the admitted estimates in the tool's row (locked in step 4), with its share.
+    IF reserving > 0 OR share_grown THEN
+        UPDATE generation.tools AS t
+        SET spent_nanos = CASE WHEN t.spent_day = today THEN t.spent_nanos ELSE 0 END,
+            reserved_nanos = CASE WHEN t.spent_day = today THEN t.reserved_nanos ELSE 0 END
+                             + reserving,
+            granted_nanos = share, spent_day = today
+        WHERE t.id = p_tool;
+    END IF;
+
+    -- 8. Start the runs: a fresh, unconfirmed lease each, an attempt, a `started` event.
     RETURN QUERY
-    -- 1. The gates, read unlocked as v3 reads them: one row when none of them applies.
-    WITH gate AS MATERIALIZED (
-        SELECT COALESCE(tl.resource_key, tl.name) AS default_key,
-               COALESCE(tl.account_group, tl.name) AS default_group,
-               COALESCE(tl.lease_seconds, p_lease_seconds) AS lease,
-               tl.cost_estimate_nanos, today.day AS today
-        FROM generation.tools AS tl, generation.settings AS s,
-             generation.gates_v1(p_disabled, p_cap) AS g,
-             LATERAL (SELECT (now() AT TIME ZONE s.timezone)::date AS day) AS today
-        WHERE tl.id = p_tool AND g.running AND NOT tl.paused AND g.cap > 0
-          AND tl.max_in_flight IS NULL AND (tl.daily_cap_nanos IS NULL OR tl.daily_cap_nanos > 0)
-          AND (tl.spent_day IS DISTINCT FROM today.day OR tl.spent_nanos + tl.reserved_nanos = 0)
-          AND CASE WHEN s.granted_day = today.day THEN s.granted_nanos ELSE 0 END < g.cap
-          AND NOT EXISTS (SELECT 1 FROM generation.resource_limits AS l
-                          WHERE l.resource_key = COALESCE(tl.resource_key, tl.name))
-          AND NOT EXISTS (SELECT 1 FROM generation.cooldowns AS c
-                          WHERE c.resource_key = COALESCE(tl.resource_key, tl.name)
-                            AND c.cooling_until > now())
-          AND NOT EXISTS (SELECT 1 FROM generation.holds AS h
-                          WHERE h.account_group = COALESCE(tl.account_group, tl.name)
-                            AND h.held_until > now())),
-    -- 2. Lock up to p_limit claimable tasks in claim order, as v3 does. (The gate is a test
-    --    made once before the scan, never a join: a plan that scanned the tasks first would
-    --    walk the tool's whole queue whenever a gate applies.)
-    picked AS MATERIALIZED (
-        SELECT q.id, q.reclaimed, q.priority, q.run_at, q.cost_estimate_nanos, q.resource_key,
-               q.account_group
-        FROM generation.tasks AS q
-        WHERE EXISTS (SELECT 1 FROM gate)
-          AND q.tool_id = p_tool AND q.status = 'queued' AND q.retry_count < q.max_retries
-          AND q.run_at <= now() AND (q.expires_at IS NULL OR q.expires_at > now())
-          AND (q.resource_key IS NULL OR NOT EXISTS (
-                SELECT 1 FROM generation.cooldowns AS c
-                WHERE c.resource_key = q.resource_key AND c.cooling_until > now()))
-          AND (q.account_group IS NULL OR NOT EXISTS (
-                SELECT 1 FROM generation.holds AS h
-                WHERE h.account_group = q.account_group AND h.held_until > now()))
-        ORDER BY q.reclaimed DESC, q.priority DESC, q.run_at
-        LIMIT p_limit
-        FOR NO KEY UPDATE OF q SKIP LOCKED),
-    -- 3. All of them free (no estimate, no limit on their key), or none started here.
-    run AS (
-        SELECT picked.id, picked.reclaimed, picked.priority, picked.run_at,
-               COALESCE(picked.cost_estimate_nanos, gate.cost_estimate_nanos) AS estimate,
-               COALESCE(picked.resource_key, gate.default_key) AS resource_key,
-               COALESCE(picked.account_group, gate.default_group) AS account_group,
-               gate.lease, gate.today
-        FROM picked, gate),
-    admitted AS (
-        SELECT * FROM run
-        WHERE NOT EXISTS (
-            SELECT 1 FROM run AS r
-            WHERE r.estimate <> 0 OR EXISTS (SELECT 1 FROM generation.resource_limits AS l
-                                             WHERE l.resource_key = r.resource_key))),
-    -- 4. Start the runs: a fresh, unconfirmed lease each, an attempt, a `started` event.
-    --    (Found by `= ANY` of their ids, which bounds the scan whatever the statistics say.)
-    started AS (
+    WITH started AS (
         UPDATE generation.tasks AS t
         SET status = 'processing',
             started_at = COALESCE(t.started_at, now()),
-            claim_expires_at = now() + make_interval(secs => (SELECT gate.lease FROM gate)),
+            claim_expires_at = now() + make_interval(secs => lease),
             lease_token = gen_random_uuid(),
             lease_confirmed = false,
             reclaimed = false,
             attempt_count = t.attempt_count + 1,
             last_event_seq = t.last_event_seq + 1
-        WHERE t.id = ANY (ARRAY(SELECT admitted.id FROM admitted))
-        RETURNING t AS task, t.id, t.attempt_count, t.lease_token, t.last_event_seq),
+        WHERE t.id = ANY (admitted)
+        RETURNING t.*),
     attempt AS (
         INSERT INTO generation.attempts
             (task_id, attempt, lease_token, tool_id, resource_key, account_group, local_day,
              estimate_nanos)
-        SELECT started.id, started.attempt_count, started.lease_token, p_tool,
-               admitted.resource_key, admitted.account_group, admitted.today, 0
-        FROM started JOIN admitted ON admitted.id = started.id),
+        SELECT started.id, started.attempt_count, started.lease_token, started.tool_id,
+               keys[array_position(ids, started.id)], groups[array_position(ids, started.id)],
+               today, estimates[array_position(ids, started.id)]
+        FROM started),
     event AS (
         INSERT INTO generation.task_events (task_id, sequence, kind, data)
         SELECT started.id, started.last_event_seq, 'started',
                jsonb_build_object('attempt', started.attempt_count)
         FROM started
         RETURNING *)
-    SELECT started.task, admitted.lease, NULL::text, to_jsonb(event)
-    FROM started JOIN admitted ON admitted.id = started.id JOIN event ON event.task_id = started.id
-    ORDER BY admitted.reclaimed DESC, admitted.priority DESC, admitted.run_at;
-    IF NOT FOUND THEN
-        -- 5. A gate or a limit applies, money moves, or nothing is there: v3 decides.
-        RETURN QUERY SELECT * FROM generation.claim_tasks_v3(
-            p_tool, p_limit, p_lease_seconds, p_disabled, p_cap);
-        RETURN;
-    END IF;
-    -- 6. A worker asked for the tool's work (as in v3).
-    INSERT INTO generation.tool_polls AS p (tool_id, polled_at)
-    SELECT p_tool, now()
-    WHERE NOT EXISTS (SELECT 1 FROM generation.tool_polls AS x
-                      WHERE x.tool_id = p_tool AND x.polled_at > now() - interval '5 seconds')
-    ON CONFLICT (tool_id) DO UPDATE SET polled_at = EXCLUDED.polled_at;
+    SELECT ROW(started.*)::generation.tasks, lease, NULL::text, to_jsonb(event)
+    FROM started JOIN event ON event.task_id = started.id
+    ORDER BY array_position(admitted, started.id);
 END
 $$;
 
--- Ends a held run as complete_task_v2 does, in one statement when no money moves (no cost
--- reported, none reserved at the claim): the run's end, its attempt's close, the key's run of
--- failures reset and the terminal event. Anything else (money, a repeated report, a lost lease,
--- an unknown task) changes nothing here and complete_task_v2 decides (alembic 0017).
+-- Ends a held run as complete_task_v2 does (its steps 1-6 below are v2's, unchanged), first
+-- trying one statement when no money moves (no cost reported, none reserved at the claim) and
+-- the lease holds: the run's end, its attempt's close, the key's run of failures reset and the
+-- terminal event. Anything else (money, a repeated report, a lost lease, an unknown task)
+-- changes nothing there and v2's steps decide (alembic 0017).
 CREATE FUNCTION generation.complete_task_v3(
     p_task uuid, p_token uuid, p_output jsonb, p_usage jsonb, p_cost bigint, p_resource_key text
 ) RETURNS TABLE (task_found boolean, task generation.tasks, event jsonb)
@@ -152,11 +430,65 @@ LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan SET enable_seqscan = off SET jit = off
 AS $$
 #variable_conflict use_column
+DECLARE
+    t generation.tasks;
+    a generation.attempts;
 BEGIN
-    RETURN QUERY
-    -- 1. Lock the task and decide (the lease held, no money) in its UPDATE, which rechecks
-    --    the newest version of the row once it holds the lock.
-    WITH ended AS (
+    IF p_cost = 0 THEN
+        RETURN QUERY
+        -- A. Lock the task and decide (the lease held, nothing reserved) in its UPDATE, which
+        --    re-checks the newest version of the row once it holds the lock.
+        WITH ended AS (
+            UPDATE generation.tasks AS q
+            SET status = CASE WHEN q.cancel_requested_at IS NULL THEN 'completed'
+                              ELSE 'cancelled' END::generation.task_status,
+                output = CASE WHEN q.cancel_requested_at IS NULL THEN p_output END,
+                reported_usage = p_usage,
+                error = CASE WHEN q.cancel_requested_at IS NULL THEN NULL ELSE 'cancelled' END,
+                completed_at = now(), claim_expires_at = NULL, lease_token = NULL,
+                lease_confirmed = false, last_event_seq = q.last_event_seq + 1
+            WHERE q.id = p_task AND q.status = 'processing' AND q.lease_token = p_token
+              AND q.claim_expires_at > now()
+              AND EXISTS (SELECT 1 FROM generation.attempts AS x
+                          WHERE x.task_id = p_task AND x.lease_token = p_token
+                            AND x.outcome = 'running' AND x.estimate_nanos = 0)
+            RETURNING q AS task, q.status, q.last_event_seq),
+        -- B. Close its attempt, as close_attempt_v2 closes one that moves no money.
+        closed AS (
+            UPDATE generation.attempts AS r
+            SET outcome = ended.status::text::generation.attempt_outcome,
+                resource_key = COALESCE(p_resource_key, r.resource_key),
+                ended_at = now()
+            FROM ended
+            WHERE r.task_id = p_task AND r.lease_token = p_token
+            RETURNING r.resource_key, r.outcome),
+        -- C. A completed run ends its key's run of failures.
+        cooled AS (
+            UPDATE generation.cooldowns AS c SET consecutive_failures = 0
+            FROM closed
+            WHERE closed.outcome = 'completed' AND c.resource_key = closed.resource_key
+              AND c.consecutive_failures > 0),
+        -- D. The terminal event, last in the stream.
+        event AS (
+            INSERT INTO generation.task_events (task_id, sequence, kind, data)
+            SELECT p_task, ended.last_event_seq,
+                   ended.status::text::generation.task_event_kind, '{}'
+            FROM ended
+            RETURNING *)
+        SELECT true, ended.task, to_jsonb(event) FROM ended, event;
+        IF FOUND THEN
+            RETURN;
+        END IF;
+    END IF;
+    -- Else (money, or the lease not held now): complete_task_v2's steps.
+    -- 1. Lock the task, then decide.
+    SELECT * INTO t FROM generation.tasks WHERE id = p_task FOR NO KEY UPDATE;
+    IF NOT FOUND THEN
+        RETURN QUERY SELECT false, NULL::generation.tasks, NULL::jsonb;
+        RETURN;
+    END IF;
+    IF t.status = 'processing' AND t.lease_token = p_token AND t.claim_expires_at > now() THEN
+        -- 2. End the run.
         UPDATE generation.tasks AS q
         SET status = CASE WHEN q.cancel_requested_at IS NULL THEN 'completed' ELSE 'cancelled' END
                      ::generation.task_status,
@@ -165,39 +497,25 @@ BEGIN
             error = CASE WHEN q.cancel_requested_at IS NULL THEN NULL ELSE 'cancelled' END,
             completed_at = now(), claim_expires_at = NULL, lease_token = NULL,
             lease_confirmed = false, last_event_seq = q.last_event_seq + 1
-        WHERE q.id = p_task AND q.status = 'processing' AND q.lease_token = p_token
-          AND q.claim_expires_at > now() AND p_cost = 0
-          AND EXISTS (SELECT 1 FROM generation.attempts AS a
-                      WHERE a.task_id = p_task AND a.lease_token = p_token
-                        AND a.outcome = 'running' AND a.estimate_nanos = 0)
-        RETURNING q AS task, q.status, q.last_event_seq),
-    -- 2. Close its attempt (as close_attempt_v2 closes one that moves no money).
-    closed AS (
-        UPDATE generation.attempts AS a
-        SET outcome = ended.status::text::generation.attempt_outcome,
-            resource_key = COALESCE(p_resource_key, a.resource_key),
-            ended_at = now()
-        FROM ended
-        WHERE a.task_id = p_task AND a.lease_token = p_token
-        RETURNING a.resource_key, a.outcome),
-    -- 3. A completed run ends its key's run of failures.
-    cooled AS (
-        UPDATE generation.cooldowns AS c SET consecutive_failures = 0
-        FROM closed
-        WHERE closed.outcome = 'completed' AND c.resource_key = closed.resource_key
-          AND c.consecutive_failures > 0),
-    -- 4. The terminal event, last in the stream.
-    event AS (
-        INSERT INTO generation.task_events (task_id, sequence, kind, data)
-        SELECT p_task, ended.last_event_seq, ended.status::text::generation.task_event_kind, '{}'
-        FROM ended
-        RETURNING *)
-    SELECT true, ended.task, to_jsonb(event) FROM ended, event;
-    IF NOT FOUND THEN
-        -- 5. Money moves, or the lease is not held now: v2 decides.
-        RETURN QUERY SELECT * FROM generation.complete_task_v2(
-            p_task, p_token, p_output, p_usage, p_cost, p_resource_key);
+        WHERE q.id = p_task
+        RETURNING q.* INTO t;
+        -- 3. Close its attempt with the cost; 4. the terminal event, last in the stream.
+        PERFORM generation.close_attempt_v2(
+            p_task, p_token, t.status::text::generation.attempt_outcome, p_cost, false,
+            p_resource_key);
+        RETURN QUERY SELECT true, t,
+            generation.append_event_v1(p_task, t.status::text::generation.task_event_kind, NULL);
+        RETURN;
     END IF;
+    -- 5. Not held now: the same lease already ended the run this way -> the task as it is now.
+    SELECT * INTO a FROM generation.attempts AS x WHERE x.task_id = p_task AND x.lease_token = p_token;
+    IF a.outcome IN ('completed', 'cancelled') THEN
+        RETURN QUERY SELECT true, t, NULL::jsonb;
+        RETURN;
+    END IF;
+    -- 6. Else the lease is lost: keep what the run cost, change nothing else.
+    PERFORM generation.close_attempt_v2(p_task, p_token, 'lease_lost', p_cost, false, NULL);
+    RETURN QUERY SELECT true, NULL::generation.tasks, NULL::jsonb;
 END
 $$;
 """
