@@ -207,7 +207,7 @@ def test_claim_is_flat_with_statistics(loaded: psycopg.Connection[dict[str, Any]
 def test_a_claim_a_gate_holds_is_flat_too(loaded: psycopg.Connection[dict[str, Any]]) -> None:
     """When a gate applies (here a pause; a paid tool that has spent today is the same), the
     one-statement claim must not walk the tool's queue looking for rows its gate would pass: it
-    hands over to claim_tasks_v3, which says why, within the same budget."""
+    goes on with claim_tasks_v3's steps, which say why, within the same budget."""
     big = make_tool(loaded)
     bulk_load(loaded, big)
     loaded.execute("UPDATE generation.tools SET paused = true WHERE id = %s", [big])

@@ -286,9 +286,10 @@ def test_costed_runs_of_a_free_tool_wait_for_neither_settings_nor_other_tools(
 ) -> None:
     """A task estimated at 0 reserves nothing, but its run may report a cost. Once the tool's
     runs have spent today and its share is used up, its claim takes a slice of the cap
-    (claim_tasks_v3), so the costs that follow fit in the tool's own row: with the settings row
-    locked, such a tool claims and completes with a cost. (Before, each such close grew the
-    grants and waited for settings.) A tool that has spent nothing today takes no slice."""
+    (claim_tasks_v4, v3's steps), so the costs that follow fit in the tool's own row: with the
+    settings row locked, such a tool claims and completes with a cost. (Before, each such close
+    grew the grants and waited for settings.) A tool that has spent nothing today takes no
+    slice."""
     set_cap(stub, 1_000 * UNIT)
     free = new_tool(stub)
     for _ in range(4):
