@@ -399,6 +399,84 @@ def test_a_retried_complete_while_the_first_still_commits_gets_the_same_answer(
     assert row(db, task.id)["status"] == "completed"
 
 
+def test_a_completion_that_waited_for_its_task_resets_a_failure_of_its_key_from_meanwhile(
+    stub: Stub, db: Db, database_url: str, tool_id: str
+) -> None:
+    """A free completion waits for its task's lock (a heartbeat in flight, held here); another
+    task of the same key fails meanwhile. The success comes after that failure, so it ends the
+    key's run of failures: left at 1, one more failure would count as two and could cool the
+    key (alembic 0018)."""
+    first, second = queue(stub, tool_id), queue(stub, tool_id)
+    claimed = {c.task.id: c for c in (claim(stub, tool_id), claim(stub, tool_id))}
+    mine, other = claimed[first.id], claimed[second.id]
+
+    def failures() -> int:
+        found = db.execute(
+            "SELECT c.consecutive_failures FROM generation.cooldowns AS c "
+            "JOIN generation.tools AS t ON c.resource_key = t.name WHERE t.id = %s",
+            [tool_id],
+        ).fetchone()
+        return int(found["consecutive_failures"]) if found else 0
+
+    request = task_pb2.CompleteTaskRequest(task_id=first.id, lease_token=mine.lease_token)
+    with psycopg.connect(database_url) as heartbeat:
+        heartbeat.execute("SELECT 1 FROM generation.tasks WHERE id = %s FOR UPDATE", [first.id])
+        with ThreadPoolExecutor(1) as pool:
+            completing = pool.submit(stub.CompleteTask, request, timeout=20)
+            wait_for(lambda: waiting_on_lock(db, "complete_task_v3") >= 1, what="the completion")
+            stub.FailTask(
+                task_pb2.FailTaskRequest(
+                    task_id=second.id,
+                    lease_token=other.lease_token,
+                    failure=task_pb2.FAILURE_KIND_RETRYABLE,
+                    error="boom",
+                )
+            )
+            assert failures() == 1
+            heartbeat.rollback()
+            assert completing.result().task.status == task_pb2.TASK_STATUS_COMPLETED
+    assert failures() == 0, "the key's run of failures ended with the success after it"
+    assert_invariants(db, tool_id)
+
+
+def test_a_completion_that_waited_behind_its_lease_refused_as_lost_leaves_that_close(
+    stub: Stub, db: Db, database_url: str, tool_id: str
+) -> None:
+    """The same lease reports twice: a completion whose transaction began before the lease
+    lapsed (standing for a statement held up between its start and the task's lock), and a
+    report after the lapse, which closes the attempt `lease_lost` with its cost while the task
+    stays processing. The completion waits for it, then ends the run as complete_task_v2 does:
+    the attempt stays closed as the refusal closed it, not closed again (alembic 0018)."""
+    task = queue(stub, tool_id)
+    lease = claim(stub, tool_id).lease_token
+    db.execute(
+        "UPDATE generation.tasks SET claim_expires_at = clock_timestamp() + interval '1 second' "
+        "WHERE id = %s",
+        [task.id],
+    )
+    call = "SELECT x.task_found FROM generation.complete_task_v3(%s, %s, '{}', '{}', %s, NULL) AS x"
+    with psycopg.connect(database_url) as early, psycopg.connect(database_url) as late:
+        early.execute("SELECT now()")  # its transaction's time: the lease still held
+        lapsed = "SELECT claim_expires_at < now() AS lapsed FROM generation.tasks WHERE id = %s"
+        wait_for(lambda: db.execute(lapsed, [task.id]).fetchone() == {"lapsed": True}, what="lapse")
+        assert late.execute(call, [task.id, lease, 7]).fetchone() == (True,)
+        refused = db.execute(
+            "SELECT outcome::text, cost_nanos FROM generation.attempts WHERE task_id = %s",
+            [task.id],
+        ).fetchone()
+        assert refused == {"outcome": "running", "cost_nanos": 0}, "not committed yet"
+        with ThreadPoolExecutor(1) as pool:
+            completing = pool.submit(lambda: early.execute(call, [task.id, lease, 0]).fetchone())
+            wait_for(lambda: waiting_on_lock(db, "complete_task_v3") >= 1, what="the completion")
+            late.commit()
+            assert completing.result(timeout=20) == (True,)
+        early.commit()
+    ledger = db.execute(
+        "SELECT outcome::text, cost_nanos FROM generation.attempts WHERE task_id = %s", [task.id]
+    ).fetchall()
+    assert ledger == [{"outcome": "lease_lost", "cost_nanos": 7}], "closed once, by the refusal"
+
+
 def waiting_on_lock(db: Db, function: str) -> int:
     found = db.execute(
         "SELECT count(*) AS n FROM pg_stat_activity WHERE wait_event_type = 'Lock' "

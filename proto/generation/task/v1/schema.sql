@@ -1855,9 +1855,10 @@ $$;
 
 -- Ends a held run as complete_task_v2 does (its steps 1-6 below are v2's, unchanged), first
 -- trying one statement when no money moves (no cost reported, none reserved at the claim) and
--- the lease holds: the run's end, its attempt's close, the key's run of failures reset and the
--- terminal event. Anything else (money, a repeated report, a lost lease, an unknown task)
--- changes nothing there and v2's steps decide (alembic 0017).
+-- the lease holds: the run's end, its attempt's close and the terminal event, then the key's run
+-- of failures reset in a statement of its own. Anything else (money, a repeated report, a lost
+-- lease, an unknown task) changes nothing there and v2's steps decide (alembic 0017; 0018 reads
+-- the attempt and the key as they are once the task is locked).
 CREATE FUNCTION generation.complete_task_v3(
     p_task uuid, p_token uuid, p_output jsonb, p_usage jsonb, p_cost bigint, p_resource_key text
 ) RETURNS TABLE (task_found boolean, task generation.tasks, event jsonb)
@@ -1888,22 +1889,18 @@ BEGIN
                           WHERE x.task_id = p_task AND x.lease_token = p_token
                             AND x.outcome = 'running' AND x.estimate_nanos = 0)
             RETURNING q AS task, q.status, q.last_event_seq),
-        -- B. Close its attempt, as close_attempt_v2 closes one that moves no money.
+        -- B. Close its attempt, as close_attempt_v2 closes one that moves no money: only while
+        --    it runs. A's EXISTS read the attempt as this statement's snapshot saw it; this
+        --    UPDATE re-checks the newest version, so a close that committed meanwhile (the same
+        --    lease refused as lost once it lapsed, v2's step 6) stands, as in v2.
         closed AS (
             UPDATE generation.attempts AS r
             SET outcome = ended.status::text::generation.attempt_outcome,
                 resource_key = COALESCE(p_resource_key, r.resource_key),
                 ended_at = now()
             FROM ended
-            WHERE r.task_id = p_task AND r.lease_token = p_token
-            RETURNING r.resource_key, r.outcome),
-        -- C. A completed run ends its key's run of failures.
-        cooled AS (
-            UPDATE generation.cooldowns AS c SET consecutive_failures = 0
-            FROM closed
-            WHERE closed.outcome = 'completed' AND c.resource_key = closed.resource_key
-              AND c.consecutive_failures > 0),
-        -- D. The terminal event, last in the stream.
+            WHERE r.task_id = p_task AND r.lease_token = p_token AND r.outcome = 'running'),
+        -- C. The terminal event, last in the stream.
         event AS (
             INSERT INTO generation.task_events (task_id, sequence, kind, data)
             SELECT p_task, ended.last_event_seq,
@@ -1912,6 +1909,13 @@ BEGIN
             RETURNING *)
         SELECT true, ended.task, to_jsonb(event) FROM ended, event;
         IF FOUND THEN
+            -- D. A completed run ends its key's run of failures: a statement of its own, whose
+            --    snapshot is taken now, so that it sees a failure of the key that committed
+            --    while A waited for the task (in A the key's row was read as it was before).
+            UPDATE generation.cooldowns AS c SET consecutive_failures = 0
+            FROM generation.attempts AS x
+            WHERE x.task_id = p_task AND x.lease_token = p_token AND x.outcome = 'completed'
+              AND c.resource_key = x.resource_key AND c.consecutive_failures > 0;
             RETURN;
         END IF;
     END IF;
