@@ -367,6 +367,64 @@ def test_a_batch_locks_two_leases_of_one_task_in_attempt_order(
     assert row(db, task.id)["status"] == "completed"
 
 
+def test_failure_batches_creating_two_new_keys_in_opposite_orders_both_succeed(
+    stub: Stub, db: Db, tool_id: str, database_url: str
+) -> None:
+    """The first retryable failure of a key inserts its cooldown row. Two FailTasks batches that
+    create the same two new keys, each in its own task order, must not each wait for the
+    other's insert: the review of the batch paths saw Postgres break that cycle by failing one
+    (alembic 0019). Here the first batch is held between its two items (its first task's next
+    event is taken, uncommitted) while the second starts."""
+    for _ in range(4):
+        queue(stub, tool_id)
+    t1, t2, t3, t4 = sorted(claim_many(stub, tool_id, 4).tasks, key=lambda c: c.task.id)
+    first_key, second_key = f"k1-{tool_id}", f"k2-{tool_id}"
+
+    def failures(*items: tuple[task_pb2.ClaimedTask, str]) -> task_pb2.FailTasksRequest:
+        return task_pb2.FailTasksRequest(
+            tasks=[
+                task_pb2.FailTaskRequest(
+                    task_id=c.task.id,
+                    lease_token=c.lease_token,
+                    failure=task_pb2.FAILURE_KIND_RETRYABLE,
+                    error="boom",
+                    resource_key=key,
+                )
+                for c, key in items
+            ]
+        )
+
+    waiting = (
+        "SELECT count(*) AS n FROM pg_stat_activity "
+        "WHERE wait_event_type = 'Lock' AND query LIKE '%%fail_tasks%%'"
+    )
+    with psycopg.connect(database_url) as holder:
+        holder.execute(
+            "INSERT INTO generation.task_events (task_id, sequence, kind) "
+            "SELECT id, last_event_seq + 1, 'progress' FROM generation.tasks WHERE id = %s",
+            [t1.task.id],
+        )
+        with ThreadPoolExecutor(2) as pool:
+            one = pool.submit(
+                stub.FailTasks, failures((t1, first_key), (t2, second_key)), timeout=30
+            )
+            wait_for(lambda: db.execute(waiting).fetchone() == {"n": 1}, what="the first batch")
+            other = pool.submit(
+                stub.FailTasks, failures((t3, second_key), (t4, first_key)), timeout=30
+            )
+            wait_for(lambda: db.execute(waiting).fetchone() == {"n": 2}, what="the second batch")
+            holder.rollback()
+            answers = [one.result(), other.result()]
+    assert [[r.refused for r in a.results] for a in answers] == [["", ""], ["", ""]]
+    counted = db.execute(
+        "SELECT resource_key, consecutive_failures FROM generation.cooldowns "
+        "WHERE resource_key IN (%s, %s) ORDER BY resource_key",
+        [first_key, second_key],
+    ).fetchall()
+    assert [c["consecutive_failures"] for c in counted] == [2, 2]
+    assert_invariants(db, tool_id)
+
+
 def test_queue_tasks_answers_each_item_as_stored(stub: Stub, tool_id: str) -> None:
     """Items of different shapes in one QueueTasks (a delay, a TTL, an idempotency key, plain):
     each answered task is the one stored for its item, field for field."""

@@ -2146,6 +2146,8 @@ $$;
 -- say, and what the later locks need read from the attempts once: v1 joined the ledger again for
 -- each kind of row, and a cached plan could read every attempt of the batch's tools (alembic
 -- 0014).
+-- Failures claim the cooldown and hold rows they may create before any such row is locked
+-- (alembic 0019).
 CREATE FUNCTION generation.lock_reported_v2(p_items jsonb) RETURNS void
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan SET enable_seqscan = off SET jit = off
@@ -2158,6 +2160,7 @@ DECLARE
     grows boolean;
     keys text[];
     groups text[];
+    created text[];
 BEGIN
     -- 1. The tasks, in id order.
     PERFORM 1 FROM generation.tasks AS t WHERE t.id = ANY (ids) ORDER BY t.id FOR NO KEY UPDATE;
@@ -2166,14 +2169,17 @@ BEGIN
                WHERE r.outcome = 'running' AND r.estimate_nanos > 0 OR r.cost > 0),
            COALESCE(bool_or(r.cost > CASE WHEN r.outcome = 'running' THEN r.estimate_nanos
                                           ELSE 0 END), false),
-           array_agg(DISTINCT r.resource_key), array_agg(DISTINCT r.account_group)
-    INTO tools, grows, keys, groups
-    FROM (SELECT a.tool_id, a.outcome, a.estimate_nanos, a.account_group,
+           array_agg(DISTINCT r.resource_key), array_agg(DISTINCT r.account_group),
+           array_agg(DISTINCT CASE r.failure WHEN 'retryable' THEN 'cooldown ' || r.resource_key
+                                             WHEN 'account' THEN 'hold ' || r.account_group END)
+    INTO tools, grows, keys, groups, created
+    FROM (SELECT a.tool_id, a.outcome, a.estimate_nanos, a.account_group, i.failure,
                  COALESCE(i.cost_nanos, 0) AS cost,
                  COALESCE(i.resource_key, a.resource_key) AS resource_key
           FROM generation.attempts AS a
           JOIN jsonb_to_recordset(p_items)
-              AS i(task_id uuid, lease_token uuid, cost_nanos bigint, resource_key text)
+              AS i(task_id uuid, lease_token uuid, failure text, cost_nanos bigint,
+                   resource_key text)
             ON i.lease_token = a.lease_token AND i.task_id = a.task_id
           WHERE a.lease_token = ANY (tokens)
           ORDER BY a.task_id, a.attempt
@@ -2183,7 +2189,16 @@ BEGIN
     FOR NO KEY UPDATE;
     -- 4. Settings, when a cost above what its run reserved may grow the grants.
     PERFORM 1 FROM generation.settings WHERE grows FOR NO KEY UPDATE;
-    -- 5. The runs' cooldown and hold rows that exist, in key order.
+    -- 5. The cooldown and hold rows a failure may create (a retryable one its key's, an account
+    --    one its group's): an advisory lock each, in one order, before any such row is locked.
+    --    A new key's row is inserted by its first failure, item by item in task order, so two
+    --    batches of failures creating the same new keys in two orders would each wait for the
+    --    other's insert; the second now waits here for the first. A CompleteTasks batch creates
+    --    none and takes none.
+    PERFORM pg_advisory_xact_lock(w.lock)
+    FROM (SELECT DISTINCT hashtextextended(x, 0) AS lock
+          FROM unnest(created) AS x WHERE x IS NOT NULL ORDER BY 1) AS w;
+    -- 6. The runs' cooldown and hold rows that exist, in key order.
     PERFORM 1 FROM generation.cooldowns AS c WHERE c.resource_key = ANY (keys)
     ORDER BY c.resource_key
     FOR NO KEY UPDATE;
