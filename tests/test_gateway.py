@@ -24,7 +24,7 @@ from generation.task.v1 import task_pb2
 from tests.conftest import ServiceProcess
 from workers_sdk.client import GenqClient
 from workers_sdk.errors import GenqError, Reason
-from workers_sdk.gateway import Enqueued, GatewayClient, NewTask
+from workers_sdk.gateway import Enqueued, EnqueueIncomplete, GatewayClient, NewTask
 
 Db = psycopg.Connection[dict[str, Any]]
 EVENT_TIMEOUT = 10.0
@@ -289,6 +289,77 @@ def test_enqueue_many_to_an_unknown_tool_raises_the_calls_error(service: Service
     with pytest.raises(GenqError) as caught:
         run_with_gateway(service, scenario)
     assert caught.value.reason is Reason.TOOL_NOT_FOUND
+
+
+def test_enqueue_many_says_which_items_a_refused_call_left_out(
+    service: ServiceProcess, db: Db, tool_id: str
+) -> None:
+    """One bad item in the second of three calls, all in flight together: that call is refused
+    and queues nothing; the two others are let finish, not cancelled, and their tasks come back
+    in the error beside the items left out, which can then be sent again on their own."""
+    items: list[dict[str, Any] | NewTask] = [{"n": n} for n in range(2_500)]
+    items[1_500] = NewTask({"n": 1_500}, priority=500)
+
+    async def scenario(gateway: GatewayClient, client: GenqClient) -> EnqueueIncomplete:
+        with pytest.raises(EnqueueIncomplete) as caught:
+            await gateway.enqueue_many(tool_id, items)
+        left_out = caught.value.not_queued
+        again = [items[i] if i != 1_500 else {"n": 1_500} for i in left_out]
+        assert len((await gateway.enqueue_many(tool_id, again)).tasks) == len(left_out)
+        return caught.value
+
+    incomplete = run_with_gateway(service, scenario)
+    assert incomplete.reason is Reason.INVALID_ARGUMENT
+    assert incomplete.not_queued == list(range(1_000, 2_000)) and incomplete.unknown == []
+    assert [t.input["n"] for t in incomplete.enqueued.tasks] == [
+        *range(1_000),
+        *range(2_000, 2_500),
+    ]
+    stored = db.execute(
+        "SELECT (input ->> 'n')::numeric::int AS n FROM generation.tasks "
+        "WHERE tool_id = %s ORDER BY 1",
+        [tool_id],
+    ).fetchall()
+    assert [r["n"] for r in stored] == list(range(2_500)), "each item queued once"
+
+
+def test_enqueue_many_says_which_items_a_lost_answer_may_have_queued(
+    service: ServiceProcess, db: Db, tool_id: str
+) -> None:
+    """The second call commits but its answer is lost (UNAVAILABLE after the commit): its items
+    are reported unknown and the third call is never sent. With idempotency keys, sending the
+    unknown and the unsent items again queues only what is missing."""
+    items = [NewTask({"n": n}, idempotency_key=f"{tool_id}-{n}") for n in range(2_500)]
+
+    async def scenario(gateway: GatewayClient, client: GenqClient) -> tuple[Any, Enqueued]:
+        call = client.call
+        calls = 0
+
+        async def answer_lost_once(method: str, request: Any, **options: Any) -> Any:
+            nonlocal calls
+            answer = await call(method, request, **options)
+            calls += 1
+            if calls == 2:
+                raise GenqError(grpc.StatusCode.UNAVAILABLE, "connection lost", None)
+            return answer
+
+        client.call = answer_lost_once  # type: ignore[method-assign]
+        with pytest.raises(EnqueueIncomplete) as caught:
+            await gateway.enqueue_many(tool_id, items, concurrency=1)
+        incomplete = caught.value
+        again = [items[i] for i in incomplete.unknown + incomplete.not_queued]
+        return incomplete, await gateway.enqueue_many(tool_id, again, concurrency=1)
+
+    incomplete, again = run_with_gateway(service, scenario)
+    assert incomplete.code == grpc.StatusCode.UNAVAILABLE
+    assert incomplete.unknown == list(range(1_000, 2_000))
+    assert incomplete.not_queued == list(range(2_000, 2_500)), "not sent after the failure"
+    assert len(incomplete.enqueued.tasks) == 1_000
+    assert (again.skipped, len(again.tasks)) == (1_000, 500), "the lost call had queued its own"
+    stored = db.execute(
+        "SELECT count(*) AS n FROM generation.tasks WHERE tool_id = %s", [tool_id]
+    ).fetchone()
+    assert stored == {"n": 2_500}
 
 
 def test_upsert_tool_is_idempotent(service: ServiceProcess) -> None:

@@ -7,7 +7,7 @@ credentials (`tests/test_sdk_import.py` checks it).
 from workers_sdk.client import Credentials, GenqClient, current_traceparent, trace_metadata
 from workers_sdk.errors import GenqError, LeaseLost, Reason
 from workers_sdk.fleet import Handler, TaskContext, WorkerFleet
-from workers_sdk.gateway import Enqueued, GatewayClient, NewTask
+from workers_sdk.gateway import Enqueued, EnqueueIncomplete, GatewayClient, NewTask
 from workers_sdk.outcomes import (
     AccountError,
     CancelledError,
@@ -21,6 +21,7 @@ __all__ = [
     "AccountError",
     "CancelledError",
     "Credentials",
+    "EnqueueIncomplete",
     "Enqueued",
     "GatewayClient",
     "GenqClient",

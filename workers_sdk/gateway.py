@@ -32,10 +32,12 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
 from opentelemetry import trace
 
 from generation.task.v1 import task_pb2
 from workers_sdk.client import GenqClient, current_traceparent
+from workers_sdk.errors import GenqError
 
 MAX_ENQUEUE_BATCH = 1_000
 """Most tasks one QueueTasks takes (the service's limit); `enqueue_many` splits bigger inputs."""
@@ -74,6 +76,43 @@ class Enqueued:
     skipped: int = 0
     """Items not queued because their idempotency_key was already used (the task it made
     stands; `get` or the key find it)."""
+
+
+REFUSED_CODES = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.UNIMPLEMENTED,
+    }
+)
+"""Codes with which the service refuses a call before or instead of committing anything: its
+items were not queued. Any other failure (UNAVAILABLE, a deadline, INTERNAL...) may have come
+after the commit."""
+
+
+class EnqueueIncomplete(GenqError):
+    """Some calls of an `enqueue_many` failed. It is the first failed call's error (its code,
+    reason and message, as a GenqError) and says what became of every item, by its index in
+    the items given: calling again with the items of `not_queued` (fixed, if they were refused)
+    queues what is missing; those of `unknown` are queued again only with idempotency keys,
+    which skip what the lost call did queue."""
+
+    def __init__(
+        self, error: GenqError, enqueued: Enqueued, not_queued: list[int], unknown: list[int]
+    ) -> None:
+        super().__init__(error.code, str(error), error.reason)
+        self.enqueued = enqueued
+        """The tasks the calls that answered created, in item order, and what they skipped."""
+        self.not_queued = not_queued
+        """Items not queued: their call was refused, or never sent once a call had failed."""
+        self.unknown = unknown
+        """Items whose call failed without an answer (UNAVAILABLE, a deadline): maybe queued."""
 
 
 TERMINAL_EVENTS = frozenset(
@@ -160,11 +199,12 @@ class GatewayClient:
         Calls in flight together (up to `concurrency`, ENQUEUE_CONCURRENCY by default) commit
         in no set order: FIFO among equal priorities holds within each call of 1,000 and between
         calls that were not in flight together; `concurrency=1` keeps the items' order
-        throughout, at about two thirds of the speed. A call that fails raises its
-        GenqError; the calls answered before it are queued, those in flight with it may be
-        (with idempotency keys, calling again with the same items queues only what is missing).
-        Two calls in flight together that insert the same new idempotency keys in opposite
-        orders wait on each other; Postgres rolls one back after its deadlock_timeout (1 s) and
+        throughout, at about two thirds of the speed. When a call fails, no further call is
+        sent, the calls in flight are let finish (a call cancelled on the wire might commit
+        unseen), and `EnqueueIncomplete` is raised: the first failed call's GenqError, with
+        the tasks created and which items were not queued or may have been. Two calls in
+        flight together that insert the same new idempotency keys in opposite orders wait on
+        each other; Postgres rolls one back after its deadlock_timeout (1 s) and
         the service runs that one again (3 times at most, within the call's deadline), so both
         succeed, about a second late.
         """
@@ -178,31 +218,44 @@ class GatewayClient:
             defaults = NewTask({}, priority, max_retries, reserved_token_amount)
             chunks = _batches(tool_id, items, defaults, current_traceparent())
             span.set_attribute("genq.count", sum(len(chunk.tasks) for chunk in chunks))
-            answers: list[task_pb2.QueueTasksResponse | None] = [None] * len(chunks)
+            # Each call's answer or error; None for a call not sent because one had failed.
+            answers: list[task_pb2.QueueTasksResponse | GenqError | None] = [None] * len(chunks)
             calls = asyncio.Semaphore(concurrency)
 
             async def send(index: int) -> None:
                 async with calls:
-                    answers[index] = await self.client.call("QueueTasks", chunks[index])
+                    if any(isinstance(answer, GenqError) for answer in answers):
+                        return
+                    try:
+                        answers[index] = await self.client.call("QueueTasks", chunks[index])
+                    except GenqError as error:
+                        answers[index] = error
 
             if concurrency == 1:
                 for index in range(len(chunks)):
                     await send(index)
             else:
-                try:
-                    async with asyncio.TaskGroup() as group:
-                        for index in range(len(chunks)):
-                            group.create_task(send(index))
-                except ExceptionGroup as failed:
-                    # The first call's error, as one call at a time raises it (the others in
-                    # flight were cancelled): callers catch a GenqError, not a group.
-                    raise failed.exceptions[0] from None
+                await asyncio.gather(*(send(index) for index in range(len(chunks))))
             queued = Enqueued()
+            not_queued: list[int] = []
+            unknown: list[int] = []
+            failed: GenqError | None = None
+            start = 0
             for chunk, answer in zip(chunks, answers, strict=True):
-                assert answer is not None  # every call answered, or raised
-                queued.tasks.extend(_created(chunk.tasks, answer.tasks))
-                queued.skipped += answer.skipped
+                indexes = range(start, start + len(chunk.tasks))
+                start = indexes.stop
+                if isinstance(answer, task_pb2.QueueTasksResponse):
+                    queued.tasks.extend(_created(chunk.tasks, answer.tasks))
+                    queued.skipped += answer.skipped
+                    continue
+                failed = failed or answer
+                if answer is None or answer.code in REFUSED_CODES:
+                    not_queued.extend(indexes)
+                else:
+                    unknown.extend(indexes)
             span.set_attribute("genq.skipped", queued.skipped)
+            if failed is not None:
+                raise EnqueueIncomplete(failed, queued, not_queued, unknown)
             return queued
 
     async def get(self, task_id: str) -> task_pb2.Task:
