@@ -198,6 +198,68 @@ def test_a_deliberate_wait_is_never_abandoned(
     assert status(wdb, task) == "failed"
 
 
+def key_at_its_limit(own: bool) -> Callable[[Db, Stub, str], Callable[[], object]]:
+    """A key limited to one run at a time, and that run another tool's, with a live lease: the
+    task's own key (OWN_KEY), or the tool's (its name)."""
+
+    def hold(db: Db, stub: Stub, tool_id: str) -> Callable[[], object]:
+        key = OWN_KEY.format(tool=tool_id) if own else tool_name(db, tool_id)
+        db.execute(
+            "INSERT INTO generation.resource_limits (resource_key, max_in_flight) VALUES (%s, 1)",
+            [key],
+        )
+        run = db.execute(
+            "INSERT INTO generation.attempts (task_id, attempt, lease_token, tool_id, "
+            "resource_key, account_group, local_day, estimate_nanos) VALUES (gen_random_uuid(), "
+            "1, gen_random_uuid(), gen_random_uuid(), %s, 'elsewhere', current_date, 0) "
+            "RETURNING lease_token",
+            [key],
+        ).fetchone()
+        assert run is not None
+        return lambda: db.execute(
+            "UPDATE generation.attempts SET outcome = 'completed', "
+            "ended_at = now() - interval '2 hours' WHERE lease_token = %s",
+            [run["lease_token"]],
+        )
+
+    hold.__name__ = "its_own_key_at_its_limit" if own else "the_tools_key_at_its_limit"
+    return hold
+
+
+def tool_name(db: Db, tool_id: str) -> str:
+    found = db.execute("SELECT name FROM generation.tools WHERE id = %s", [tool_id]).fetchone()
+    assert found is not None
+    return str(found["name"])
+
+
+OWN_KEY = "own-{tool}"
+"""The resource key and account group of the task in the test below."""
+TOOL_WAITS = [key_cooling, group_held, key_at_its_limit(own=False), key_at_its_limit(own=True)]
+
+
+@pytest.mark.parametrize("hold", TOOL_WAITS, ids=[w.__name__ for w in TOOL_WAITS])
+def test_a_task_with_its_own_key_and_group_waits_as_the_claim_makes_it_wait(
+    wdb: Db, wstub: Stub, wtool: str, hold: Callable[[Db, Stub, str], Callable[[], object]]
+) -> None:
+    """The claim holds every task of a tool back while the tool's own key cools, its own group
+    is held or its own key is at its limit, and a task's own key at its limit holds that task:
+    the watchdog counts each as a wait, as it counts a cooldown of the task's own key. It once
+    looked only at the task's own key and group, and called such a task abandoned (alembic
+    0020)."""
+    own = OWN_KEY.format(tool=wtool)
+    task = waiting_an_hour(wdb, wstub, wtool, resource_key=own, account_group=own)
+    lift = hold(wdb, wstub, wtool)
+    forget_waits(wdb, wtool)
+
+    assert stale(wstub, task) is None
+    assert force_fail(wstub, task) is Reason.TASK_NOT_STALE
+    assert status(wdb, task) == "queued"
+
+    lift()
+    forget_waits(wdb, wtool)
+    assert stale(wstub, task) == task_pb2.STALE_REASON_ABANDONED
+
+
 def test_a_task_due_later_is_not_abandoned_until_it_could_have_run(
     wdb: Db, wstub: Stub, wtool: str, watch_service: ServiceProcess
 ) -> None:

@@ -384,55 +384,6 @@ AS $$
           WHERE r.seen_at > now() - interval '30 seconds') AS o
 $$;
 
--- Why a live task can never finish on its own, or NULL: the one definition of "stale" for
--- ListStaleTasks, the status page and the reaper (reap_task_v2), with the stored thresholds.
--- A queued task is abandoned only when nothing deliberate holds it now (switch, cap, pause) and
--- it could have run for queued_max_age with no worker asking for its tool's work: the wait
--- counts from the latest of its queueing, its run_after, a change of the gates, the end of a
--- cooldown or hold, the start of the local day (a new day's cap), and the last claim call. A
--- tool with a live lease has a worker: one whose lanes are full (at max_in_flight, say) asks
--- for no more work until a run ends, and its queue is waiting, not abandoned.
-CREATE FUNCTION generation.stale_reason_v2(t generation.tasks) RETURNS text
-LANGUAGE sql STABLE
-AS $$
-    SELECT CASE
-        WHEN t.status = 'processing' THEN
-            CASE WHEN t.claim_expires_at < now() - make_interval(secs => s.processing_grace_seconds)
-                 THEN 'dead_zombie' END
-        WHEN t.status NOT IN ('queued', 'dispatched') THEN NULL
-        WHEN t.retry_count >= t.max_retries THEN 'unclaimable'
-        WHEN GREATEST(t.queued_at, t.run_at) > now() - make_interval(secs => s.queued_max_age_seconds)
-            THEN NULL
-        WHEN t.status = 'dispatched' THEN 'abandoned'
-        WHEN GREATEST(
-                s.gates_changed_at, tool.gates_changed_at,
-                (date_trunc('day', now() AT TIME ZONE s.timezone)) AT TIME ZONE s.timezone,
-                (SELECT p.polled_at FROM generation.tool_polls AS p WHERE p.tool_id = t.tool_id),
-                (SELECT c.cooling_until FROM generation.cooldowns AS c
-                 WHERE c.resource_key = COALESCE(t.resource_key, tool.resource_key, tool.name)),
-                (SELECT h.held_until FROM generation.holds AS h
-                 WHERE h.account_group = COALESCE(t.account_group, tool.account_group, tool.name)),
-                (SELECT max(r.seen_at) FROM generation.replica_overrides AS r WHERE r.disabled)
-             ) > now() - make_interval(secs => s.queued_max_age_seconds) THEN NULL
-        WHEN NOT g.running OR tool.paused OR g.cap = 0 THEN NULL
-        WHEN NOT generation.within_cap_v1(
-                sp.spent_nanos, sp.today, sp.today, sp.reserved_nanos,
-                COALESCE(t.cost_estimate_nanos, tool.cost_estimate_nanos), g.cap)
-          OR NOT generation.within_cap_v1(
-                tool.spent_nanos, tool.spent_day, sp.today,
-                CASE WHEN tool.spent_day = sp.today THEN tool.reserved_nanos ELSE 0 END,
-                COALESCE(t.cost_estimate_nanos, tool.cost_estimate_nanos),
-                tool.daily_cap_nanos) THEN NULL
-        WHEN EXISTS (SELECT 1 FROM generation.tasks AS q
-                     WHERE q.tool_id = t.tool_id AND q.status = 'processing'
-                       AND q.claim_expires_at > now()) THEN NULL
-        ELSE 'abandoned'
-    END
-    FROM generation.settings AS s, generation.spend_today AS sp,
-         generation.gates_v1(false, NULL) AS g, generation.tools AS tool
-    WHERE tool.id = t.tool_id
-$$;
-
 -- The tools whose queued tasks generation.stale_reason_v2 may call abandoned: the switch on, a
 -- cap set, the tool not paused, no gate changed and no worker's poll within queued_max_age, no
 -- live lease. Each holds of every abandoned task, so the watchdog's reads (ListStaleTasks,
@@ -655,7 +606,7 @@ $$;
 
 -- How many runs of a resource key are in flight (attempts_running_idx), counted up to p_limit:
 -- the count stops at the limit, so it costs the limit's, never the backlog's. The one count the
--- claim and GetStatus use for a key's concurrency limit.
+-- claim, GetStatus and the watchdog (stale_reason_v2) use for a key's concurrency limit.
 CREATE FUNCTION generation.key_running_v1(p_key text, p_limit integer) RETURNS bigint
 LANGUAGE sql STABLE
 AS $$
@@ -663,6 +614,65 @@ AS $$
         SELECT 1 FROM generation.attempts AS a
         WHERE a.resource_key = p_key AND a.outcome = 'running'
         LIMIT p_limit) AS running
+$$;
+
+-- Why a live task can never finish on its own, or NULL: the one definition of "stale" for
+-- ListStaleTasks, the status page and the reaper (reap_task_v2), with the stored thresholds.
+-- A queued task is abandoned only when nothing deliberate holds it now (switch, cap, pause) and
+-- it could have run for queued_max_age with no worker asking for its tool's work: the wait
+-- counts from the latest of its queueing, its run_after, a change of the gates, the end of a
+-- cooldown or hold, the start of the local day (a new day's cap), and the last claim call. A
+-- tool with a live lease has a worker: one whose lanes are full (at max_in_flight, say) asks
+-- for no more work until a run ends, and its queue is waiting, not abandoned.
+-- The claim holds every task of a tool back while the tool's own key cools, its own group is
+-- held or its own key is at its limit, and a task with a key or group of its own also while
+-- that one does: both count here as they count there (alembic 0020).
+CREATE FUNCTION generation.stale_reason_v2(t generation.tasks) RETURNS text
+LANGUAGE sql STABLE
+AS $$
+    SELECT CASE
+        WHEN t.status = 'processing' THEN
+            CASE WHEN t.claim_expires_at < now() - make_interval(secs => s.processing_grace_seconds)
+                 THEN 'dead_zombie' END
+        WHEN t.status NOT IN ('queued', 'dispatched') THEN NULL
+        WHEN t.retry_count >= t.max_retries THEN 'unclaimable'
+        WHEN GREATEST(t.queued_at, t.run_at) > now() - make_interval(secs => s.queued_max_age_seconds)
+            THEN NULL
+        WHEN t.status = 'dispatched' THEN 'abandoned'
+        WHEN GREATEST(
+                s.gates_changed_at, tool.gates_changed_at,
+                (date_trunc('day', now() AT TIME ZONE s.timezone)) AT TIME ZONE s.timezone,
+                (SELECT p.polled_at FROM generation.tool_polls AS p WHERE p.tool_id = t.tool_id),
+                (SELECT max(c.cooling_until) FROM generation.cooldowns AS c
+                 WHERE c.resource_key IN (COALESCE(t.resource_key, tool.resource_key, tool.name),
+                                          COALESCE(tool.resource_key, tool.name))),
+                (SELECT max(h.held_until) FROM generation.holds AS h
+                 WHERE h.account_group IN (COALESCE(t.account_group, tool.account_group, tool.name),
+                                           COALESCE(tool.account_group, tool.name))),
+                (SELECT max(r.seen_at) FROM generation.replica_overrides AS r WHERE r.disabled)
+             ) > now() - make_interval(secs => s.queued_max_age_seconds) THEN NULL
+        WHEN NOT g.running OR tool.paused OR g.cap = 0 THEN NULL
+        WHEN NOT generation.within_cap_v1(
+                sp.spent_nanos, sp.today, sp.today, sp.reserved_nanos,
+                COALESCE(t.cost_estimate_nanos, tool.cost_estimate_nanos), g.cap)
+          OR NOT generation.within_cap_v1(
+                tool.spent_nanos, tool.spent_day, sp.today,
+                CASE WHEN tool.spent_day = sp.today THEN tool.reserved_nanos ELSE 0 END,
+                COALESCE(t.cost_estimate_nanos, tool.cost_estimate_nanos),
+                tool.daily_cap_nanos) THEN NULL
+        WHEN EXISTS (SELECT 1 FROM generation.tasks AS q
+                     WHERE q.tool_id = t.tool_id AND q.status = 'processing'
+                       AND q.claim_expires_at > now()) THEN NULL
+        WHEN EXISTS (SELECT 1 FROM generation.resource_limits AS l
+                     WHERE l.resource_key IN (COALESCE(t.resource_key, tool.resource_key, tool.name),
+                                              COALESCE(tool.resource_key, tool.name))
+                       AND generation.key_running_v1(l.resource_key, l.max_in_flight)
+                           >= l.max_in_flight) THEN NULL
+        ELSE 'abandoned'
+    END
+    FROM generation.settings AS s, generation.spend_today AS sp,
+         generation.gates_v1(false, NULL) AS g, generation.tools AS tool
+    WHERE tool.id = t.tool_id
 $$;
 
 -- Grants a tool more of today's global cap: the shortfall p_need (negative when a lowered cap
