@@ -1097,8 +1097,6 @@ class WorkerFleet:
                         response = await batcher.call(request)
                 except GenqError as error:
                     if _lease_gone(error):
-                        # A FailTask or ReleaseTask retried after UNAVAILABLE may also hear this
-                        # when its first try committed (a retried CompleteTask answers success).
                         ctx.lease_lost.set()
                         log.warning(
                             "task %s: %s refused (%s); result dropped",
