@@ -449,14 +449,15 @@ def test_a_completion_that_waited_behind_its_lease_refused_as_lost_leaves_that_c
     the attempt stays closed as the refusal closed it, not closed again (alembic 0018)."""
     task = queue(stub, tool_id)
     lease = claim(stub, tool_id).lease_token
-    db.execute(
-        "UPDATE generation.tasks SET claim_expires_at = clock_timestamp() + interval '1 second' "
-        "WHERE id = %s",
-        [task.id],
-    )
     call = "SELECT x.task_found FROM generation.complete_task_v3(%s, %s, '{}', '{}', %s, NULL) AS x"
     with psycopg.connect(database_url) as early, psycopg.connect(database_url) as late:
-        early.execute("SELECT now()")  # its transaction's time: the lease still held
+        began = early.execute("SELECT now()").fetchone()  # its transaction's time
+        assert began is not None
+        db.execute(  # the lease lapses just after it: held at the completion's time, not later
+            "UPDATE generation.tasks SET claim_expires_at = %s + interval '200 milliseconds' "
+            "WHERE id = %s",
+            [began[0], task.id],
+        )
         lapsed = "SELECT claim_expires_at < now() AS lapsed FROM generation.tasks WHERE id = %s"
         wait_for(lambda: db.execute(lapsed, [task.id]).fetchone() == {"lapsed": True}, what="lapse")
         assert late.execute(call, [task.id, lease, 7]).fetchone() == (True,)
@@ -480,7 +481,7 @@ def test_a_completion_that_waited_behind_its_lease_refused_as_lost_leaves_that_c
 def waiting_on_lock(db: Db, function: str) -> int:
     found = db.execute(
         "SELECT count(*) AS n FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-        "AND query LIKE %s",
+        "AND datname = current_database() AND query LIKE %s",
         [f"%{function}%"],
     ).fetchone()
     return int(found["n"]) if found else 0

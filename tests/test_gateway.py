@@ -362,6 +362,46 @@ def test_enqueue_many_says_which_items_a_lost_answer_may_have_queued(
     assert stored == {"n": 2_500}
 
 
+def test_enqueue_many_stops_sending_after_a_call_fails_unexpectedly(
+    service: ServiceProcess, db: Db, tool_id: str
+) -> None:
+    """A call that fails with something other than a GenqError (a bug in a wrapper, say) is a
+    failure like any other: no further call is sent, the three already in flight finish, and
+    its items are reported as maybe queued, the bug chained as the cause."""
+
+    async def scenario(gateway: GatewayClient, client: GenqClient) -> tuple[Any, int]:
+        call = client.call
+        sent = 0
+        all_in_flight = asyncio.Event()
+
+        async def broken_first(method: str, request: Any, **options: Any) -> Any:
+            nonlocal sent
+            sent += 1
+            if sent == 4:
+                all_in_flight.set()
+            if sent == 1:
+                await all_in_flight.wait()  # fails once the other three are on their way
+                raise RuntimeError("a bug")
+            return await call(method, request, **options)
+
+        client.call = broken_first  # type: ignore[method-assign]
+        with pytest.raises(EnqueueIncomplete) as caught:
+            await gateway.enqueue_many(tool_id, [{"n": n} for n in range(5_000)])
+        return caught.value, sent
+
+    incomplete, sent = run_with_gateway(service, scenario)
+    assert sent == 4, "the fifth call was never sent"
+    assert incomplete.code == grpc.StatusCode.UNKNOWN
+    assert isinstance(incomplete.__cause__.__cause__, RuntimeError)
+    assert incomplete.unknown == list(range(1_000))
+    assert incomplete.not_queued == list(range(4_000, 5_000))
+    assert len(incomplete.enqueued.tasks) == 3_000
+    stored = db.execute(
+        "SELECT count(*) AS n FROM generation.tasks WHERE tool_id = %s", [tool_id]
+    ).fetchone()
+    assert stored == {"n": 3_000}
+
+
 def test_upsert_tool_is_idempotent(service: ServiceProcess) -> None:
     name = f"tool-{uuid.uuid4().hex[:12]}"
 

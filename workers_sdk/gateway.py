@@ -97,11 +97,11 @@ after the commit."""
 
 
 class EnqueueIncomplete(GenqError):
-    """Some calls of an `enqueue_many` failed. It is the first failed call's error (its code,
-    reason and message, as a GenqError) and says what became of every item, by its index in
-    the items given: calling again with the items of `not_queued` (fixed, if they were refused)
-    queues what is missing; those of `unknown` are queued again only with idempotency keys,
-    which skip what the lost call did queue."""
+    """Some calls of an `enqueue_many` failed. It is the error of the failed call earliest in
+    item order (its code, reason and message, as a GenqError) and says what became of every
+    item, by its index in the items given: calling again with the items of `not_queued` (fixed,
+    if they were refused) queues what is missing; those of `unknown` are queued again only with
+    idempotency keys, which skip what the lost call did queue."""
 
     def __init__(
         self, error: GenqError, enqueued: Enqueued, not_queued: list[int], unknown: list[int]
@@ -201,8 +201,10 @@ class GatewayClient:
         calls that were not in flight together; `concurrency=1` keeps the items' order
         throughout, at about two thirds of the speed. When a call fails, no further call is
         sent, the calls in flight are let finish (a call cancelled on the wire might commit
-        unseen), and `EnqueueIncomplete` is raised: the first failed call's GenqError, with
-        the tasks created and which items were not queued or may have been. Two calls in
+        unseen), and `EnqueueIncomplete` is raised: the GenqError of the failed call earliest
+        in item order, with the tasks created and which items were not queued or may have
+        been. Cancelling `enqueue_many` itself cancels its calls in flight, which may then
+        commit unseen: bound it with the client's `timeout` instead. Two calls in
         flight together that insert the same new idempotency keys in opposite orders wait on
         each other; Postgres rolls one back after its deadlock_timeout (1 s) and
         the service runs that one again (3 times at most, within the call's deadline), so both
@@ -230,6 +232,10 @@ class GatewayClient:
                         answers[index] = await self.client.call("QueueTasks", chunks[index])
                     except GenqError as error:
                         answers[index] = error
+                    except Exception as error:  # a bug, not an answer: maybe queued, say so
+                        unexpected = GenqError(grpc.StatusCode.UNKNOWN, repr(error), None)
+                        unexpected.__cause__ = error
+                        answers[index] = unexpected
 
             if concurrency == 1:
                 for index in range(len(chunks)):
@@ -255,7 +261,7 @@ class GatewayClient:
                     unknown.extend(indexes)
             span.set_attribute("genq.skipped", queued.skipped)
             if failed is not None:
-                raise EnqueueIncomplete(failed, queued, not_queued, unknown)
+                raise EnqueueIncomplete(failed, queued, not_queued, unknown) from failed
             return queued
 
     async def get(self, task_id: str) -> task_pb2.Task:

@@ -14,8 +14,9 @@ so the second batch waits there for the first. A CompleteTasks batch creates no 
 its items carry no failure, so it takes no advisory lock and waits as before. A single FailTask
 writes at most one such row, as its last wait, and so closes no cycle.
 
-The function is replaced in place, as 0018 did: same arguments and contract. The downgrade keeps
-the fixed body.
+The function is replaced in place, as 0018 did: same arguments and contract. Replicas older
+than 0014 lock their batches through `lock_reported_v1`, which keeps the defect until they are
+replaced. The downgrade keeps the fixed body.
 
 Revision ID: 0019
 Revises: 0018
