@@ -642,10 +642,11 @@ def test_release_hold_lets_the_groups_tasks_run(
         0,
         f"released the hold of {group}: its tasks may run",
     )
-    assert (
-        cdb.execute("SELECT 1 FROM generation.holds WHERE account_group = %s", [group]).fetchone()
-        is None
-    )
+    ended = cdb.execute(
+        "SELECT held_until <= now() AS ended FROM generation.holds WHERE account_group = %s",
+        [group],
+    ).fetchone()
+    assert ended == {"ended": True}, "the hold ends now; its row stays for the watchdog's clock"
     assert claim(stub, tool.id).task.id == task.id
     again = genq_json(service, "release-hold", group)
     assert again == {"released": False}
@@ -686,7 +687,9 @@ def test_key_shows_a_cooldown_and_release_cooldown_ends_it(
     row = cdb.execute(
         "SELECT * FROM generation.cooldowns WHERE resource_key = %s", [key]
     ).fetchone()
-    assert row is not None and (row["cooling_until"], row["consecutive_failures"]) == (None, 0)
+    assert row is not None and row["consecutive_failures"] == 0
+    ended = cdb.execute("SELECT %s <= now() AS ended", [row["cooling_until"]]).fetchone()
+    assert ended == {"ended": True}, "the cooldown ends now; it does not vanish"
     assert genq_json(service, "key", key)["cooling"] is False
     assert claim(stub, tool.id).task.id == task.id
     unknown = genq(service, "release-cooldown", f"{key}-never-cooled")

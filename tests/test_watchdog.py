@@ -260,6 +260,33 @@ def test_a_task_with_its_own_key_and_group_waits_as_the_claim_makes_it_wait(
     assert stale(wstub, task) == task_pb2.STALE_REASON_ABANDONED
 
 
+def released_hold(db: Db, stub: Stub, tool_id: str) -> None:
+    group_held(db, stub, tool_id)
+    stub.ReleaseHold(task_pb2.ReleaseHoldRequest(account_group=tool_name(db, tool_id)))
+
+
+def released_cooldown(db: Db, stub: Stub, tool_id: str) -> None:
+    key_cooling(db, stub, tool_id)
+    stub.ReleaseCooldown(task_pb2.ReleaseCooldownRequest(resource_key=tool_name(db, tool_id)))
+
+
+RELEASES = [released_hold, released_cooldown]
+
+
+@pytest.mark.parametrize("release", RELEASES, ids=[r.__name__ for r in RELEASES])
+def test_a_wait_an_operator_ends_restarts_the_clock_as_one_that_runs_out(
+    wdb: Db, wstub: Stub, wtool: str, release: Callable[[Db, Stub, str], None]
+) -> None:
+    """ReleaseHold deleted the hold and ReleaseCooldown cleared the cooldown, leaving the clock
+    nothing to count from: a task that had waited on them was abandoned the moment an operator
+    let it run (a review found it). Now the wait ends at the release, as if it had run out."""
+    task = waiting_an_hour(wdb, wstub, wtool)
+    release(wdb, wstub, wtool)
+    forget_waits(wdb, wtool)
+    assert stale(wstub, task) is None
+    assert force_fail(wstub, task) is Reason.TASK_NOT_STALE
+
+
 def test_a_task_due_later_is_not_abandoned_until_it_could_have_run(
     wdb: Db, wstub: Stub, wtool: str, watch_service: ServiceProcess
 ) -> None:

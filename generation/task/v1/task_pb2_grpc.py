@@ -431,14 +431,17 @@ class GenerationDataServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseCooldown(self, request, context):
-        """Ends a resource key's cooldown now.
+        """Ends a resource key's cooldown now, and its run of failures. The row stays with the cooldown
+        ending now: the watchdog counts a queued task's wait from the end of its cooldown, so a task
+        is not called abandoned the moment an operator lets it run (as when a cooldown runs out).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseHold(self, request, context):
-        """Ends an account group's hold now.
+        """Ends an account group's hold now; the row stays, ending now, for the watchdog's clock (as
+        ReleaseCooldown). A group not held now is not released.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -164,9 +164,14 @@ class GenerationDataServiceStub:
     limit. A handler asks it before it picks a model (`ctx.resource_cooling`).
     """
     ReleaseCooldown: _grpc.UnaryUnaryMultiCallable[_task_pb2.ReleaseCooldownRequest, _task_pb2.ReleaseCooldownResponse]
-    """Ends a resource key's cooldown now."""
+    """Ends a resource key's cooldown now, and its run of failures. The row stays with the cooldown
+    ending now: the watchdog counts a queued task's wait from the end of its cooldown, so a task
+    is not called abandoned the moment an operator lets it run (as when a cooldown runs out).
+    """
     ReleaseHold: _grpc.UnaryUnaryMultiCallable[_task_pb2.ReleaseHoldRequest, _task_pb2.ReleaseHoldResponse]
-    """Ends an account group's hold now."""
+    """Ends an account group's hold now; the row stays, ending now, for the watchdog's clock (as
+    ReleaseCooldown). A group not held now is not released.
+    """
     GetStatus: _grpc.UnaryUnaryMultiCallable[_task_pb2.GetStatusRequest, _task_pb2.GetStatusResponse]
     """What an operator needs at a glance, in one call: the switch, the cap and today's spend and
     reservations, each tool (paused, spend, last claim, queued work with no worker seen), depth and
@@ -351,9 +356,14 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     limit. A handler asks it before it picks a model (`ctx.resource_cooling`).
     """
     ReleaseCooldown: _aio.UnaryUnaryMultiCallable[_task_pb2.ReleaseCooldownRequest, _task_pb2.ReleaseCooldownResponse]  # type: ignore[assignment]
-    """Ends a resource key's cooldown now."""
+    """Ends a resource key's cooldown now, and its run of failures. The row stays with the cooldown
+    ending now: the watchdog counts a queued task's wait from the end of its cooldown, so a task
+    is not called abandoned the moment an operator lets it run (as when a cooldown runs out).
+    """
     ReleaseHold: _aio.UnaryUnaryMultiCallable[_task_pb2.ReleaseHoldRequest, _task_pb2.ReleaseHoldResponse]  # type: ignore[assignment]
-    """Ends an account group's hold now."""
+    """Ends an account group's hold now; the row stays, ending now, for the watchdog's clock (as
+    ReleaseCooldown). A group not held now is not released.
+    """
     GetStatus: _aio.UnaryUnaryMultiCallable[_task_pb2.GetStatusRequest, _task_pb2.GetStatusResponse]  # type: ignore[assignment]
     """What an operator needs at a glance, in one call: the switch, the cap and today's spend and
     reservations, each tool (paused, spend, last claim, queued work with no worker seen), depth and
@@ -667,7 +677,10 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _task_pb2.ReleaseCooldownRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.ReleaseCooldownResponse, _abc.Awaitable[_task_pb2.ReleaseCooldownResponse]]:
-        """Ends a resource key's cooldown now."""
+        """Ends a resource key's cooldown now, and its run of failures. The row stays with the cooldown
+        ending now: the watchdog counts a queued task's wait from the end of its cooldown, so a task
+        is not called abandoned the moment an operator lets it run (as when a cooldown runs out).
+        """
 
     @_abc_1.abstractmethod
     def ReleaseHold(
@@ -675,7 +688,9 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _task_pb2.ReleaseHoldRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.ReleaseHoldResponse, _abc.Awaitable[_task_pb2.ReleaseHoldResponse]]:
-        """Ends an account group's hold now."""
+        """Ends an account group's hold now; the row stays, ending now, for the watchdog's clock (as
+        ReleaseCooldown). A group not held now is not released.
+        """
 
     @_abc_1.abstractmethod
     def GetStatus(
