@@ -287,6 +287,35 @@ def test_a_wait_an_operator_ends_restarts_the_clock_as_one_that_runs_out(
     assert force_fail(wstub, task) is Reason.TASK_NOT_STALE
 
 
+def estimate_lowered_under_the_cap(db: Db, stub: Stub, tool_id: str) -> None:
+    cap_reached(db, stub, tool_id)  # an estimate of 10 against a cap of 5
+    forget_waits(db, tool_id)
+    stub.ConfigureTool(task_pb2.ConfigureToolRequest(tool_id=tool_id, cost_estimate_nanos=1))
+
+
+def moved_off_a_cooling_key(db: Db, stub: Stub, tool_id: str) -> None:
+    key_cooling(db, stub, tool_id)  # the tool's own key, its name
+    forget_waits(db, tool_id)
+    stub.ConfigureTool(task_pb2.ConfigureToolRequest(tool_id=tool_id, resource_key="cool-key"))
+
+
+CHANGES = [estimate_lowered_under_the_cap, moved_off_a_cooling_key]
+
+
+@pytest.mark.parametrize("change", CHANGES, ids=[c.__name__ for c in CHANGES])
+def test_a_tool_change_that_lets_its_tasks_run_restarts_the_clock(
+    wdb: Db, wstub: Stub, wtool: str, change: Callable[[Db, Stub, str], None]
+) -> None:
+    """A change of the tool that ends a wait (an estimate that now fits the cap, a key that is
+    not cooling) counts as a change of its gates, as a pause or a cap does: the task gets its
+    max age from then, not called abandoned the moment it could run (a review found it)."""
+    task = waiting_an_hour(wdb, wstub, wtool)
+    change(wdb, wstub, wtool)
+    wdb.execute("DELETE FROM generation.tool_polls WHERE tool_id = %s", [wtool])
+    assert stale(wstub, task) is None
+    assert force_fail(wstub, task) is Reason.TASK_NOT_STALE
+
+
 def test_a_task_due_later_is_not_abandoned_until_it_could_have_run(
     wdb: Db, wstub: Stub, wtool: str, watch_service: ServiceProcess
 ) -> None:

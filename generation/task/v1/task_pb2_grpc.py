@@ -382,7 +382,8 @@ class GenerationDataServiceServicer:
 
     def ConfigureTool(self, request, context):
         """Changes a tool's settings; fields left unset keep their value, names in `clear` go back to
-        the default.
+        the default. A change of anything that can hold the tool's tasks back (the pause, its cap,
+        its estimate, its key or group, its max in flight) restarts the watchdog's clock for them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -140,7 +140,8 @@ class GenerationDataServiceStub:
     """
     ConfigureTool: _grpc.UnaryUnaryMultiCallable[_task_pb2.ConfigureToolRequest, _task_pb2.ConfigureToolResponse]
     """Changes a tool's settings; fields left unset keep their value, names in `clear` go back to
-    the default.
+    the default. A change of anything that can hold the tool's tasks back (the pause, its cap,
+    its estimate, its key or group, its max in flight) restarts the watchdog's clock for them.
     """
     GetTool: _grpc.UnaryUnaryMultiCallable[_task_pb2.GetToolRequest, _task_pb2.GetToolResponse]
     """Reads a tool: its settings and today's spend."""
@@ -332,7 +333,8 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     """
     ConfigureTool: _aio.UnaryUnaryMultiCallable[_task_pb2.ConfigureToolRequest, _task_pb2.ConfigureToolResponse]  # type: ignore[assignment]
     """Changes a tool's settings; fields left unset keep their value, names in `clear` go back to
-    the default.
+    the default. A change of anything that can hold the tool's tasks back (the pause, its cap,
+    its estimate, its key or group, its max in flight) restarts the watchdog's clock for them.
     """
     GetTool: _aio.UnaryUnaryMultiCallable[_task_pb2.GetToolRequest, _task_pb2.GetToolResponse]  # type: ignore[assignment]
     """Reads a tool: its settings and today's spend."""
@@ -617,7 +619,8 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.ConfigureToolResponse, _abc.Awaitable[_task_pb2.ConfigureToolResponse]]:
         """Changes a tool's settings; fields left unset keep their value, names in `clear` go back to
-        the default.
+        the default. A change of anything that can hold the tool's tasks back (the pause, its cap,
+        its estimate, its key or group, its max in flight) restarts the watchdog's clock for them.
         """
 
     @_abc_1.abstractmethod
