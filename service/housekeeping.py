@@ -85,7 +85,16 @@ WITH mine AS (
 DELETE FROM generation.replica_overrides
 WHERE seen_at < now() - interval '1 hour' AND replica_id <> %(replica)s
 """
-OVERRIDES_GONE_SQL = "DELETE FROM generation.replica_overrides WHERE replica_id = %(replica)s"
+# Withdrawn at a clean stop. The gates in force change with it, so the watchdog's clock restarts
+# (stale_reason_v2 counts from settings.gates_changed_at): a task held by this replica's switch
+# is not called abandoned the moment the replica goes, as it is not when one crashes.
+OVERRIDES_GONE_SQL = """
+WITH gone AS (
+  DELETE FROM generation.replica_overrides WHERE replica_id = %(replica)s
+  RETURNING disabled OR daily_cap_nanos IS NOT NULL AS overrode)
+UPDATE generation.settings SET gates_changed_at = now()
+WHERE EXISTS (SELECT 1 FROM gone WHERE gone.overrode)
+"""
 
 LEADER_NAME = "maintenance"
 # Takes the lease when it lapsed or renews our own; no row back: another process holds it.

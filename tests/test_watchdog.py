@@ -17,6 +17,7 @@ import pytest
 from psycopg.rows import dict_row
 
 from generation.task.v1 import task_pb2, task_pb2_grpc
+from service.housekeeping import OVERRIDES_GONE_SQL
 from tests.conftest import UNLIMITED, Databases, ServiceProcess, forget_waits, url_for
 from tests.test_server import genq
 from workers_sdk.errors import Reason, from_rpc_error
@@ -312,6 +313,24 @@ def test_a_tool_change_that_lets_its_tasks_run_restarts_the_clock(
     task = waiting_an_hour(wdb, wstub, wtool)
     change(wdb, wstub, wtool)
     wdb.execute("DELETE FROM generation.tool_polls WHERE tool_id = %s", [wtool])
+    assert stale(wstub, task) is None
+    assert force_fail(wstub, task) is Reason.TASK_NOT_STALE
+
+
+def test_a_replica_that_held_the_switch_off_and_stopped_restarts_the_clock(
+    wdb: Db, wstub: Stub, wtool: str
+) -> None:
+    """A replica run with GENQ_DISABLED holds every task back; when it stops cleanly it deletes
+    its row, and the watchdog once had nothing left to count from: the tasks were abandoned the
+    moment it went (a review found it). Its stop now counts as a change of the gates."""
+    task = waiting_an_hour(wdb, wstub, wtool)
+    replica = uuid.uuid4()
+    wdb.execute(
+        "INSERT INTO generation.replica_overrides (replica_id, disabled) VALUES (%s, true)",
+        [replica],
+    )
+    forget_waits(wdb, wtool)
+    wdb.execute(OVERRIDES_GONE_SQL, {"replica": replica})
     assert stale(wstub, task) is None
     assert force_fail(wstub, task) is Reason.TASK_NOT_STALE
 
