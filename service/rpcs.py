@@ -462,6 +462,7 @@ def bind_retry_task(request: task_pb2.RetryTaskRequest, settings: Settings) -> P
         "reserved_token_amount": validation.amount(
             "reserved_token_amount", request.reserved_token_amount
         ),
+        "retry_key": validation.text("retry_key", request.retry_key, max_length=512),
     }
 
 
@@ -777,7 +778,7 @@ def respond_retry(rows: list[Row]) -> task_pb2.RetryTaskResponse:
     row = _found(rows)
     if row["id"] is None:
         raise TaskNotRetryable("only a failed, cancelled or expired task can be retried")
-    return task_pb2.RetryTaskResponse(task=messages.task(row))
+    return task_pb2.RetryTaskResponse(task=messages.task(row), retried_now=row["retried_now"])
 
 
 def respond_tool(rows: list[Row]) -> task_pb2.Tool:

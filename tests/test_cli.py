@@ -500,11 +500,13 @@ def test_retry_queues_a_cancelled_task_again(
     assert refused.returncode == ERROR
     assert "FAILED_PRECONDITION (TASK_NOT_RETRYABLE)" in refused.stderr
     stub.CancelTask(task_pb2.CancelTaskRequest(task_id=task.id))
-    retried = genq_json(service, "retry", task.id)["task"]
-    assert retried["status"] == "TASK_STATUS_QUEUED"
+    retried = genq_json(service, "retry", task.id, "--key", "k1")
+    assert (retried["task"]["status"], retried["retried_now"]) == ("TASK_STATUS_QUEUED", True)
     row = task_row(cdb, task.id)
     assert row is not None
     assert (row["status"], row["retry_count"], row["completed_at"]) == ("queued", 0, None)
+    again = genq(service, "retry", task.id, "--key", "k1")  # run twice: nothing changes
+    assert (again.returncode, "retried already with this key" in again.stdout) == (0, True)
 
 
 # ---- switches and money: pause, resume, cap, settings, stats ----

@@ -236,6 +236,47 @@ def test_a_deliberate_stop_on_the_last_retry_gives_it_back(
     assert_invariants(db, tool_id, [task.id])
 
 
+# --- a RetryTask sent again after its answer was lost ------------------------------------------
+
+
+def test_a_retry_sent_again_with_its_key_neither_fails_nor_runs_the_task_twice(
+    stub: Stub, db: Db, tool_id: str
+) -> None:
+    """A failed, settled task is retried with a key and the answer is lost; the caller sends
+    the same RetryTask again, once while the task waits and once after it ran, failed and was
+    settled again. Each answers the task as it is, retried_now false, and changes nothing:
+    without the key the second call failed FAILED_PRECONDITION and the third queued the task
+    once more, refunding one reservation twice (alembic 0021)."""
+    task = queue(stub, tool_id, reserved_token_amount=50, max_retries=1)
+    claimed = claim(stub, tool_id)
+    stub.FailTask(task_pb2.FailTaskRequest(task_id=task.id, lease_token=claimed.lease_token))
+    stub.SettleTask(task_pb2.SettleTaskRequest(task_id=task.id))
+    request = task_pb2.RetryTaskRequest(
+        task_id=task.id, reserved_token_amount=50, retry_key="after-the-outage"
+    )
+
+    first = stub.RetryTask(request)  # its answer "lost"
+    assert (first.retried_now, first.task.status) == (True, task_pb2.TASK_STATUS_QUEUED)
+    again = stub.RetryTask(request)
+    assert (again.retried_now, again.task.status) == (False, task_pb2.TASK_STATUS_QUEUED)
+    assert row(db, task.id)["settlement_round"] == 2
+
+    rerun = claim(stub, tool_id)
+    stub.FailTask(task_pb2.FailTaskRequest(task_id=task.id, lease_token=rerun.lease_token))
+    stub.SettleTask(task_pb2.SettleTaskRequest(task_id=task.id))
+    late = stub.RetryTask(request)
+    assert (late.retried_now, late.task.status) == (False, task_pb2.TASK_STATUS_FAILED)
+    assert row(db, task.id)["settlement_round"] == 2, "no third round"
+    rounds = db.execute(
+        "SELECT count(*) AS n FROM generation.settlements WHERE task_id = %s", [task.id]
+    ).fetchone()
+    assert rounds == {"n": 2}
+
+    fresh = stub.RetryTask(task_pb2.RetryTaskRequest(task_id=task.id, retry_key="once-more"))
+    assert (fresh.retried_now, fresh.task.status) == (True, task_pb2.TASK_STATUS_QUEUED)
+    assert_invariants(db, tool_id, [task.id])
+
+
 # --- settlement racing a requeue (fault 17) ---------------------------------------------------
 
 

@@ -137,10 +137,13 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
 
 async def cmd_retry(args: argparse.Namespace) -> int:
     request = pb.RetryTaskRequest(
-        task_id=args.task_id, reserved_token_amount=args.reserved_token_amount
+        task_id=args.task_id, reserved_token_amount=args.reserved_token_amount, retry_key=args.key
     )
     retried = await call(args, "RetryTask", request)
-    answer(args, retried, f"task {retried.task.id} {render.status_name(retried.task.status)}")
+    text = f"task {retried.task.id} {render.status_name(retried.task.status)}"
+    if not retried.retried_now:
+        text += " (retried already with this key: nothing changed)"
+    answer(args, retried, text)
     return DONE
 
 
@@ -269,6 +272,12 @@ COMMANDS = [
                 "the new reservation, used only when the old one was settled",
                 type=whole(0, INT64_MAX),
                 default=0,
+            ),
+            arg(
+                "--key KEY",
+                "makes it safe to run again: a retry with a key the task's retries already "
+                "used changes nothing",
+                default="",
             ),
         ],
     ),

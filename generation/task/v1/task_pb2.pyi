@@ -1421,18 +1421,25 @@ class RetryTaskRequest(_message.Message):
 
     TASK_ID_FIELD_NUMBER: _builtins.int
     RESERVED_TOKEN_AMOUNT_FIELD_NUMBER: _builtins.int
+    RETRY_KEY_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     reserved_token_amount: _builtins.int
     """The new reservation, used only when the old one was already settled."""
+    retry_key: _builtins.str
+    """Makes the call idempotent (up to 512 characters): a RetryTask with a key this task's retries
+    already used changes nothing and answers the task as it is now. Send the same key again when
+    an answer was lost; a new one to retry the task once more.
+    """
     def __init__(
         self,
         *,
         task_id: _builtins.str = ...,
         reserved_token_amount: _builtins.int = ...,
+        retry_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reserved_token_amount", b"reserved_token_amount", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reserved_token_amount", b"reserved_token_amount", "retry_key", b"retry_key", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1443,16 +1450,20 @@ class RetryTaskResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TASK_FIELD_NUMBER: _builtins.int
+    RETRIED_NOW_FIELD_NUMBER: _builtins.int
+    retried_now: _builtins.bool
+    """False when an earlier RetryTask with the same retry_key queued the task again."""
     @_builtins.property
     def task(self) -> Global___Task: ...
     def __init__(
         self,
         *,
         task: Global___Task | None = ...,
+        retried_now: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["retried_now", b"retried_now", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -375,6 +375,8 @@ class GenerationDataServiceServicer:
     def RetryTask(self, request, context):
         """Queues a failed, cancelled or expired task again with fresh retries. If its reservation was
         already settled, the task starts a new settlement round with the reservation given here.
+        With a retry_key, sending it again (after a lost answer) changes nothing and answers the task
+        as it is then.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

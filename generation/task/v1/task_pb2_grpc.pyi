@@ -137,6 +137,8 @@ class GenerationDataServiceStub:
     RetryTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.RetryTaskRequest, _task_pb2.RetryTaskResponse]
     """Queues a failed, cancelled or expired task again with fresh retries. If its reservation was
     already settled, the task starts a new settlement round with the reservation given here.
+    With a retry_key, sending it again (after a lost answer) changes nothing and answers the task
+    as it is then.
     """
     ConfigureTool: _grpc.UnaryUnaryMultiCallable[_task_pb2.ConfigureToolRequest, _task_pb2.ConfigureToolResponse]
     """Changes a tool's settings; fields left unset keep their value, names in `clear` go back to
@@ -330,6 +332,8 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     RetryTask: _aio.UnaryUnaryMultiCallable[_task_pb2.RetryTaskRequest, _task_pb2.RetryTaskResponse]  # type: ignore[assignment]
     """Queues a failed, cancelled or expired task again with fresh retries. If its reservation was
     already settled, the task starts a new settlement round with the reservation given here.
+    With a retry_key, sending it again (after a lost answer) changes nothing and answers the task
+    as it is then.
     """
     ConfigureTool: _aio.UnaryUnaryMultiCallable[_task_pb2.ConfigureToolRequest, _task_pb2.ConfigureToolResponse]  # type: ignore[assignment]
     """Changes a tool's settings; fields left unset keep their value, names in `clear` go back to
@@ -610,6 +614,8 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_task_pb2.RetryTaskResponse, _abc.Awaitable[_task_pb2.RetryTaskResponse]]:
         """Queues a failed, cancelled or expired task again with fresh retries. If its reservation was
         already settled, the task starts a new settlement round with the reservation given here.
+        With a retry_key, sending it again (after a lost answer) changes nothing and answers the task
+        as it is then.
         """
 
     @_abc_1.abstractmethod
