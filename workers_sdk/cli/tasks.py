@@ -141,7 +141,7 @@ async def cmd_retry(args: argparse.Namespace) -> int:
     )
     retried = await call(args, "RetryTask", request)
     text = f"task {retried.task.id} {render.status_name(retried.task.status)}"
-    if not retried.retried_now:
+    if args.key and not retried.retried_now:
         text += " (retried already with this key: nothing changed)"
     answer(args, retried, text)
     return DONE
