@@ -335,6 +335,32 @@ def test_a_replica_that_held_the_switch_off_and_stopped_restarts_the_clock(
     assert force_fail(wstub, task) is Reason.TASK_NOT_STALE
 
 
+@pytest.mark.parametrize("gone", [True, False], ids=["gone", "alive"])
+def test_a_replica_overriding_the_cap_is_a_wait_until_shortly_after_it_is_gone(
+    wdb: Db, wstub: Stub, wtool: str, gone: bool
+) -> None:
+    """A replica run with GENQ_DAILY_CAP_NANOS=0 holds every task back. Once it has not been
+    seen for the 30 s its override still counts, the task has its max age from then, as after
+    a GENQ_DISABLED replica (a review found it abandoned at once, alembic 0022). A live one
+    whose cap leaves room holds nothing back, and the watchdog still finds the task."""
+    task = waiting_an_hour(wdb, wstub, wtool)
+    replica = uuid.uuid4()
+    wdb.execute(
+        "INSERT INTO generation.replica_overrides (replica_id, disabled, daily_cap_nanos, seen_at) "
+        "VALUES (%s, false, %s, now() - make_interval(secs => %s))",
+        [replica, 0 if gone else UNLIMITED, 31 if gone else 0],
+    )
+    try:
+        forget_waits(wdb, wtool)
+        if gone:
+            assert stale(wstub, task) is None
+            assert force_fail(wstub, task) is Reason.TASK_NOT_STALE
+        else:
+            assert stale(wstub, task) == task_pb2.STALE_REASON_ABANDONED
+    finally:  # its sighting would hold every later test's tasks for the max age
+        wdb.execute("DELETE FROM generation.replica_overrides WHERE replica_id = %s", [replica])
+
+
 def test_a_task_due_later_is_not_abandoned_until_it_could_have_run(
     wdb: Db, wstub: Stub, wtool: str, watch_service: ServiceProcess
 ) -> None:

@@ -627,6 +627,8 @@ $$;
 -- The claim holds every task of a tool back while the tool's own key cools, its own group is
 -- held or its own key is at its limit, and a task with a key or group of its own also while
 -- that one does: both count here as they count there (alembic 0020).
+-- A replica's override of the cap ends when it is last seen (gates_v1 counts it for 30 s more);
+-- while it lives, only the cap it sets holds anything back (alembic 0022).
 CREATE FUNCTION generation.stale_reason_v2(t generation.tasks) RETURNS text
 LANGUAGE sql STABLE
 AS $$
@@ -649,7 +651,9 @@ AS $$
                 (SELECT max(h.held_until) FROM generation.holds AS h
                  WHERE h.account_group IN (COALESCE(t.account_group, tool.account_group, tool.name),
                                            COALESCE(tool.account_group, tool.name))),
-                (SELECT max(r.seen_at) FROM generation.replica_overrides AS r WHERE r.disabled)
+                (SELECT max(r.seen_at) FROM generation.replica_overrides AS r
+                 WHERE r.disabled OR (r.daily_cap_nanos IS NOT NULL
+                                      AND r.seen_at <= now() - interval '30 seconds'))
              ) > now() - make_interval(secs => s.queued_max_age_seconds) THEN NULL
         WHEN NOT g.running OR tool.paused OR g.cap = 0 THEN NULL
         WHEN NOT generation.within_cap_v1(
