@@ -352,8 +352,9 @@ def test_batch_reports_read_their_own_rows_whatever_is_in_flight(databases: Data
 
 def test_a_free_claim_and_its_completion_run_in_one_statement_each(databases: Databases) -> None:
     """The default path is the fast one: with no gate, limit or money in play, ClaimNextTask and
-    CompleteTask each run their one statement and none of the older steps they fall back to
-    (claim_tasks_v3's, complete_task_v2's); a paid claim and a costed completion run those."""
+    CompleteTask each run their one-statement path (the claim after its gate statement, the
+    completion before its key's reset, alembic 0018) and none of the older steps they fall back
+    to (claim_tasks_v3's, complete_task_v2's); a paid claim and a costed completion run those."""
     url = url_for(databases.create("one_statement"))
     with psycopg.connect(url, row_factory=dict_row) as connection:
         free, paid = make_tool(connection), make_tool(connection)
