@@ -341,7 +341,7 @@ def test_a_replica_overriding_the_cap_is_a_wait_until_shortly_after_it_is_gone(
 ) -> None:
     """A replica run with GENQ_DAILY_CAP_NANOS=0 holds every task back. Once it has not been
     seen for the 30 s its override still counts, the task has its max age from then, as after
-    a GENQ_DISABLED replica (a review found it abandoned at once, alembic 0022). A live one
+    a GENQ_DISABLED replica (a review found it abandoned at once, alembic 0020). A live one
     whose cap leaves room holds nothing back, and the watchdog still finds the task."""
     task = waiting_an_hour(wdb, wstub, wtool)
     replica = uuid.uuid4()

@@ -12,7 +12,15 @@ claim holds a task back for more than that:
 A task waiting on one of these, on a tool no worker had asked about for `queued_max_age`, was
 called abandoned, and the reaper could fail it while it only waited. Now the cooling and hold
 of both keys and both groups count for the clock, and a key at its limit counts as a wait.
-A review reproduced both.
+
+The clock counted from the last sighting of a replica with GENQ_DISABLED, so its tasks were not
+called abandoned the moment it crashed; one with GENQ_DAILY_CAP_NANOS (0, say) held tasks back
+the same way and left nothing to count from, so 31 s after it crashed they were abandoned at
+once. Its last sighting now counts too, once it is gone (not seen for the 30 s `gates_v1` still
+counts it). While it lives it is not counted: a cap with room holds nothing back, and counting
+its sightings would keep every task from ever being found.
+
+A review reproduced all three.
 
 When a key's limit frees, the clock does not restart (unlike the end of a cooldown): nothing
 records when a key's runs last ended without reading its whole ledger. A tool whose workers
@@ -46,6 +54,8 @@ UPGRADE = r"""
 -- The claim holds every task of a tool back while the tool's own key cools, its own group is
 -- held or its own key is at its limit, and a task with a key or group of its own also while
 -- that one does: both count here as they count there (alembic 0020).
+-- A replica's override of the cap ends when it is last seen (gates_v1 counts it for 30 s more);
+-- while it lives, only the cap it sets holds anything back (alembic 0020).
 CREATE OR REPLACE FUNCTION generation.stale_reason_v2(t generation.tasks) RETURNS text
 LANGUAGE sql STABLE
 AS $$
@@ -68,7 +78,9 @@ AS $$
                 (SELECT max(h.held_until) FROM generation.holds AS h
                  WHERE h.account_group IN (COALESCE(t.account_group, tool.account_group, tool.name),
                                            COALESCE(tool.account_group, tool.name))),
-                (SELECT max(r.seen_at) FROM generation.replica_overrides AS r WHERE r.disabled)
+                (SELECT max(r.seen_at) FROM generation.replica_overrides AS r
+                 WHERE r.disabled OR (r.daily_cap_nanos IS NOT NULL
+                                      AND r.seen_at <= now() - interval '30 seconds'))
              ) > now() - make_interval(secs => s.queued_max_age_seconds) THEN NULL
         WHEN NOT g.running OR tool.paused OR g.cap = 0 THEN NULL
         WHEN NOT generation.within_cap_v1(

@@ -628,7 +628,7 @@ $$;
 -- held or its own key is at its limit, and a task with a key or group of its own also while
 -- that one does: both count here as they count there (alembic 0020).
 -- A replica's override of the cap ends when it is last seen (gates_v1 counts it for 30 s more);
--- while it lives, only the cap it sets holds anything back (alembic 0022).
+-- while it lives, only the cap it sets holds anything back (alembic 0020).
 CREATE FUNCTION generation.stale_reason_v2(t generation.tasks) RETURNS text
 LANGUAGE sql STABLE
 AS $$
