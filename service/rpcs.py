@@ -112,11 +112,15 @@ def bind_upsert_tool(request: task_pb2.UpsertToolRequest, settings: Settings) ->
 
 
 def bind_queue_task(request: task_pb2.QueueTaskRequest, settings: Settings) -> Params:
+    requeue = request.on_conflict == task_pb2.ON_CONFLICT_REQUEUE
+    if request.requeue_key and not requeue:
+        raise InvalidArgument("requeue_key goes with on_conflict REQUEUE", field="requeue_key")
     return {
         "tool_id": validation.required_uuid("tool_id", request.tool_id),
         **dict.fromkeys(OPTIONAL_TASK_FIELDS),
         **_task_fields(request, settings),
-        "requeue": request.on_conflict == task_pb2.ON_CONFLICT_REQUEUE,
+        "requeue": requeue,
+        "requeue_key": validation.text("requeue_key", request.requeue_key, max_length=512),
     }
 
 
@@ -193,7 +197,7 @@ def bind_queue_tasks(request: task_pb2.QueueTasksRequest, settings: Settings) ->
     for ordinal, item in enumerate(request.tasks):
         if item.tool_id not in ("", request.tool_id):
             raise InvalidArgument(f"tasks[{ordinal}].tool_id differs", field="tasks")
-        if item.on_conflict == task_pb2.ON_CONFLICT_REQUEUE:
+        if item.on_conflict == task_pb2.ON_CONFLICT_REQUEUE or item.requeue_key:
             raise InvalidArgument(
                 "QueueTasks skips used keys; REQUEUE is QueueTask's", field="tasks"
             )
@@ -237,7 +241,11 @@ def respond_queue_task(rows: list[Row]) -> task_pb2.QueueTaskResponse:
     queued = _queued(rows)
     if not queued:
         raise IdempotencyKeyReused("idempotency_key was already used with a different input")
-    return task_pb2.QueueTaskResponse(task=messages.task(queued[0]), created=queued[0]["inserted"])
+    return task_pb2.QueueTaskResponse(
+        task=messages.task(queued[0]),
+        created=queued[0]["inserted"],
+        requeued_now=queued[0]["requeued_now"],
+    )
 
 
 def bind_claim_next_task(request: task_pb2.ClaimNextTaskRequest, settings: Settings) -> Params:

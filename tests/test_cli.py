@@ -421,6 +421,15 @@ def test_enqueue_says_when_the_key_answered_an_existing_task(
     fresh = genq(service, "enqueue", tool.id, "{}", "--idempotency-key", "k-4")
     assert (fresh.returncode, "existing" in fresh.stdout) == (0, False)
 
+    # Queued again with a requeue key, then the same command once more: nothing changes.
+    requeue = ("enqueue", tool.id, "{}", "--idempotency-key", "k-3", "--on-conflict", "requeue")
+    again = genq(service, *requeue, "--requeue-key", "r-1")
+    assert again.stdout.rstrip().endswith(", queued again)"), again.stdout
+    twice = genq(service, *requeue, "--requeue-key", "r-1")
+    assert twice.stdout.rstrip().endswith(", not queued again)"), twice.stdout
+    alone = genq(service, "enqueue", tool.id, "{}", "--requeue-key", "r-2")
+    assert (alone.returncode, "--requeue-key goes with" in alone.stderr) == (USAGE, True)
+
 
 def test_enqueue_with_a_source_and_an_expiry(
     service: ServiceProcess, stub: Stub, cdb: Db, tool: Any

@@ -277,6 +277,75 @@ def test_a_retry_sent_again_with_its_key_neither_fails_nor_runs_the_task_twice(
     assert_invariants(db, tool_id, [task.id])
 
 
+# --- a QueueTask REQUEUE sent again after its answer was lost ----------------------------------
+
+
+def test_a_requeue_sent_again_with_its_key_does_not_run_the_task_twice(
+    stub: Stub, db: Db, tool_id: str
+) -> None:
+    """A settled task is queued again by QueueTask REQUEUE with a requeue_key and the answer is
+    lost; the caller sends the same request again after the task ran and failed again and was
+    settled. It answers the task as it is, requeued_now false, and changes nothing: without the
+    key it queued the task once more, a third paid run and a third settlement round."""
+    request = task_pb2.QueueTaskRequest(
+        tool_id=tool_id,
+        idempotency_key="nightly-report",
+        reserved_token_amount=50,
+        max_retries=1,
+        on_conflict=task_pb2.ON_CONFLICT_REQUEUE,
+        requeue_key="after-the-outage",
+    )
+    made = stub.QueueTask(request)
+    assert (made.created, made.requeued_now) == (True, False)
+
+    def run_and_settle() -> None:
+        claimed = claim(stub, tool_id)
+        assert claimed.task.id == made.task.id
+        stub.FailTask(
+            task_pb2.FailTaskRequest(task_id=made.task.id, lease_token=claimed.lease_token)
+        )
+        stub.SettleTask(task_pb2.SettleTaskRequest(task_id=made.task.id))
+
+    run_and_settle()
+    first = stub.QueueTask(request)  # its answer "lost"
+    assert (first.created, first.requeued_now, first.task.status) == (
+        False,
+        True,
+        task_pb2.TASK_STATUS_QUEUED,
+    )
+    run_and_settle()
+    late = stub.QueueTask(request)
+    assert (late.requeued_now, late.task.status) == (False, task_pb2.TASK_STATUS_FAILED)
+    stored = row(db, made.task.id)
+    assert (stored["settlement_round"], stored["attempt_count"]) == (2, 2), "no third run"
+    keys = db.execute(
+        "SELECT data ->> 'requeue_key' AS key FROM generation.task_events "
+        "WHERE task_id = %s AND kind = 'requeued'",
+        [made.task.id],
+    ).fetchall()
+    assert keys == [{"key": "after-the-outage"}]
+
+    request.requeue_key = "once-more"
+    fresh = stub.QueueTask(request)
+    assert (fresh.requeued_now, fresh.task.status) == (True, task_pb2.TASK_STATUS_QUEUED)
+    assert_invariants(db, tool_id, [made.task.id])
+
+
+@pytest.mark.parametrize("on_conflict", ["RETURN", "QueueTasks"])
+def test_a_requeue_key_without_requeue_is_refused(
+    stub: Stub, db: Db, tool_id: str, on_conflict: str
+) -> None:
+    item = task_pb2.QueueTaskRequest(tool_id=tool_id, idempotency_key="k", requeue_key="r")
+    with pytest.raises(grpc.RpcError) as refused:
+        if on_conflict == "RETURN":
+            stub.QueueTask(item)
+        else:
+            stub.QueueTasks(task_pb2.QueueTasksRequest(tool_id=tool_id, tasks=[item]))
+    assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    queued = db.execute("SELECT count(*) AS n FROM generation.tasks WHERE tool_id = %s", [tool_id])
+    assert queued.fetchone() == {"n": 0}
+
+
 # --- settlement racing a requeue (fault 17) ---------------------------------------------------
 
 

@@ -72,9 +72,12 @@ async def cmd_show(args: argparse.Namespace) -> int:
 async def cmd_enqueue(args: argparse.Namespace) -> int:
     if args.ttl is not None and args.expires_at is not None:
         raise UsageError("give --ttl or --expires-at, not both")
+    if args.requeue_key and args.on_conflict != "requeue":
+        raise UsageError("--requeue-key goes with --on-conflict requeue")
     tool = await find_tool(args, args.tool, create=args.create_tool)
     request = pb.QueueTaskRequest(
         tool_id=tool.id,
+        requeue_key=args.requeue_key or "",
         idempotency_key=args.idempotency_key or "",
         resource_key=args.resource_key or "",
         account_group=args.account_group or "",
@@ -97,8 +100,11 @@ async def cmd_enqueue(args: argparse.Namespace) -> int:
     if not queued.created:
         note = (
             f"existing task (idempotency key {args.idempotency_key!r}, "
-            f"created {render.when(task.created_at)})"
+            f"created {render.when(task.created_at)}"
         )
+        if args.on_conflict == "requeue":
+            note += ", queued again" if queued.requeued_now else ", not queued again"
+        note += ")"
         text += f": {note}"
         if args.format == "json":  # stdout keeps the message alone
             print(f"genq enqueue: {note}", file=sys.stderr, flush=True)
@@ -221,6 +227,11 @@ COMMANDS = [
                 "a used key: return its task (return), or queue it again if finished (requeue)",
                 choices=("return", "requeue"),
                 default="return",
+            ),
+            arg(
+                "--requeue-key KEY",
+                "with requeue: makes it safe to run again, a requeue with a key the task's "
+                "requeues already used changes nothing",
             ),
             arg(
                 "--run-after TIME",

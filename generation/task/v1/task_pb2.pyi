@@ -623,6 +623,7 @@ class QueueTaskRequest(_message.Message):
     COST_ESTIMATE_NANOS_FIELD_NUMBER: _builtins.int
     EXPIRES_AT_FIELD_NUMBER: _builtins.int
     SOURCE_FIELD_NUMBER: _builtins.int
+    REQUEUE_KEY_FIELD_NUMBER: _builtins.int
     tool_id: _builtins.str
     priority: _builtins.int
     """-100 to 100; higher is claimed sooner. Default 0."""
@@ -643,6 +644,12 @@ class QueueTaskRequest(_message.Message):
     source: _builtins.str
     """Who or what enqueued the task (a service, a batch job), shown in lists and on the status
     page; at most 200 characters.
+    """
+    requeue_key: _builtins.str
+    """With on_conflict REQUEUE, makes the requeue idempotent (up to 512 characters): it is written
+    into the `requeued` event, and a REQUEUE with a key the task's events already hold changes
+    nothing and answers the task as it is now. Send the same key again when an answer was lost;
+    a new one to run the task once more.
     """
     @_builtins.property
     def input(self) -> _struct_pb2.Struct: ...
@@ -679,10 +686,11 @@ class QueueTaskRequest(_message.Message):
         cost_estimate_nanos: _builtins.int | None = ...,
         expires_at: _timestamp_pb2.Timestamp | None = ...,
         source: _builtins.str = ...,
+        requeue_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_cost_estimate_nanos", b"_cost_estimate_nanos", "_max_retries", b"_max_retries", "_priority", b"_priority", "cost_estimate_nanos", b"cost_estimate_nanos", "expires_at", b"expires_at", "input", b"input", "max_retries", b"max_retries", "priority", b"priority", "run_after", b"run_after", "ttl", b"ttl"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cost_estimate_nanos", b"_cost_estimate_nanos", "_max_retries", b"_max_retries", "_priority", b"_priority", "account_group", b"account_group", "billing_idempotency_key", b"billing_idempotency_key", "cost_estimate_nanos", b"cost_estimate_nanos", "expires_at", b"expires_at", "idempotency_key", b"idempotency_key", "input", b"input", "max_retries", b"max_retries", "on_conflict", b"on_conflict", "priority", b"priority", "reserved_token_amount", b"reserved_token_amount", "resource_key", b"resource_key", "run_after", b"run_after", "source", b"source", "tool_id", b"tool_id", "ttl", b"ttl", "w3c_traceparent", b"w3c_traceparent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cost_estimate_nanos", b"_cost_estimate_nanos", "_max_retries", b"_max_retries", "_priority", b"_priority", "account_group", b"account_group", "billing_idempotency_key", b"billing_idempotency_key", "cost_estimate_nanos", b"cost_estimate_nanos", "expires_at", b"expires_at", "idempotency_key", b"idempotency_key", "input", b"input", "max_retries", b"max_retries", "on_conflict", b"on_conflict", "priority", b"priority", "requeue_key", b"requeue_key", "reserved_token_amount", b"reserved_token_amount", "resource_key", b"resource_key", "run_after", b"run_after", "source", b"source", "tool_id", b"tool_id", "ttl", b"ttl", "w3c_traceparent", b"w3c_traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__cost_estimate_nanos: _TypeAlias = _typing.Literal["cost_estimate_nanos"]  # noqa: Y015
     _WhichOneofArgType__cost_estimate_nanos: _TypeAlias = _typing.Literal["_cost_estimate_nanos", b"_cost_estimate_nanos"]  # noqa: Y015
@@ -759,11 +767,14 @@ class QueueTaskResponse(_message.Message):
 
     TASK_FIELD_NUMBER: _builtins.int
     CREATED_FIELD_NUMBER: _builtins.int
+    REQUEUED_NOW_FIELD_NUMBER: _builtins.int
     created: _builtins.bool
     """False when the idempotency key named a task an earlier enqueue made (answered as it is, or
     requeued by REQUEUE); so also for the retry of an enqueue whose answer was lost, though that
     caller's first call made it.
     """
+    requeued_now: _builtins.bool
+    """True when this call queued a finished task again (on_conflict REQUEUE)."""
     @_builtins.property
     def task(self) -> Global___Task: ...
     def __init__(
@@ -771,10 +782,11 @@ class QueueTaskResponse(_message.Message):
         *,
         task: Global___Task | None = ...,
         created: _builtins.bool = ...,
+        requeued_now: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "requeued_now", b"requeued_now", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
