@@ -377,9 +377,10 @@ def start_warnings(settings: task_pb2.Settings) -> list[str]:
 
 def waits(status: task_pb2.Status) -> list[Wait]:
     """Each tool with queued tasks, under the first thing that holds them in the claim's own
-    order (switch, pause, cap, the tool's cap), grouped by reason. A cap counts as spent when
-    today's spend and reservations reached it; a smaller room than a task's estimate also
-    holds that task, which this does not see (the claim's idle reason does)."""
+    order (switch, pause, cap, the tool's cap, a task estimated above the cap in force), grouped
+    by reason. A cap counts as spent when today's spend and reservations reached it; a room
+    today smaller than the next task's estimate also holds the tool, which this does not see
+    (the claim's idle reason does)."""
     settings = status.settings
     cap = cap_in_force(settings)
     currency = settings.currency
@@ -425,10 +426,25 @@ def waits(status: task_pb2.Status) -> list[Wait]:
                 f"`genq cap N --tool {name}` (now {money(tool.daily_cap_nanos, currency)})",
                 tool,
             )
+        elif cap is not None and (over := over_cap(tool, cap)):
+            hold("over_cap", "a task's estimate exceeds the daily cap in force", over, tool)
     return [
         Wait(reason, [t.name for t in tools], sum(t.queued for t in tools), why, "; ".join(fixes))
         for reason, (why, fixes, tools) in held.items()
     ]
+
+
+def over_cap(tool: task_pb2.ToolStatus, cap: int) -> str | None:
+    """The fix when a queued task of the tool is estimated above the cap in force (the tool's
+    own, else the global one), which the claim passes over until it is raised; None otherwise."""
+    largest = tool.largest_queued_estimate_nanos
+    if tool.HasField("daily_cap_nanos") and largest > tool.daily_cap_nanos:
+        raise_it = f"`genq cap N --tool {shlex.quote(tool.name)}`"
+    elif largest > cap:
+        raise_it = "`genq cap N`"
+    else:
+        return None
+    return f"{raise_it} with N at least {money(largest)}, or cancel that task"
 
 
 async def warn_at_start(database: Database, settings: Settings) -> None:

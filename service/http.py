@@ -45,7 +45,7 @@ from generation.task.v1 import task_pb2
 from service.auth import RULES, Caller, Guard, anonymous, bearer
 from service.database import Database
 from service.errors import ServiceError, Unauthenticated
-from service.housekeeping import cap_in_force
+from service.housekeeping import cap_in_force, over_cap
 from service.metrics import Metrics
 from service.rpcs import BINDINGS, STATEMENTS
 from service.settings import Settings
@@ -411,7 +411,10 @@ def render_page(
             "GENQ_DAILY_CAP_NANOS" if status.settings.HasField("cap_override_nanos") else "stored"
         ),
         chart=chart(status.last_hour, now, zone),
-        tools=[(tool, _tool_badges(tool), _last_claim(tool, now)) for tool in status.tools],
+        tools=[
+            (tool, _tool_badges(tool, cap_in_force(status.settings)), _last_claim(tool, now))
+            for tool in status.tools
+        ],
         audit=audit,
         money=lambda nanos: money(nanos, status.settings.currency, grouped=True),
         clock=clock,
@@ -524,13 +527,15 @@ def _stale_item(item: task_pb2.StaleTask) -> str:
     return f"{item.task.id} ({reason.replace('_', ' ')}{source})"
 
 
-def _tool_badges(tool: task_pb2.ToolStatus) -> list[tuple[str, str]]:
+def _tool_badges(tool: task_pb2.ToolStatus, cap: int | None) -> list[tuple[str, str]]:
     """(class, word) of each state the tool is in; "ok" when none holds it up."""
     badges = []
     if tool.paused:
         badges.append(("warn", "paused"))
     if tool.HasField("daily_cap_nanos") and _tool_capped(tool):
         badges.append(("bad", "capped"))
+    if cap is not None and over_cap(tool, cap):
+        badges.append(("bad", "a task over the cap"))
     if tool.HasField("cooling_until"):
         badges.append(("warn", "cooling"))
     if tool.HasField("held_until"):

@@ -514,17 +514,48 @@ def test_a_batch_of_a_free_tool_stops_at_a_task_the_cap_has_no_room_for(
     stub: Stub, sdb: Db
 ) -> None:
     """Claim order holds across the one-statement claim (claim_tasks_v4) and the rules it hands
-    over to: a task estimated above the cap, queued between two free ones, stops the batch there,
-    and the free task behind it is not taken instead."""
+    over to: a task estimated above today's room, queued between two free ones, stops the batch
+    there, and the free task behind it is not taken instead (it would take the room the day
+    frees first)."""
     set_cap(stub, 100)
     tool_id = new_tool(stub)
+    queue(stub, tool_id)
+    complete(stub, claim(stub, tool_id), cost=50)
     first = queue(stub, tool_id)
-    queue(stub, tool_id, cost_estimate_nanos=1_000)
+    queue(stub, tool_id, cost_estimate_nanos=60)
     queue(stub, tool_id)
     batch = stub.ClaimTasks(task_pb2.ClaimTasksRequest(tool_id=tool_id, limit=3))
     assert [claimed.task.id for claimed in batch.tasks] == [first.id]
     assert idle(stub, tool_id) == "capped", "the estimated task heads the queue"
     assert counters(sdb)["reserved"] == 0
+
+
+@pytest.mark.parametrize("cap", ["global", "tool"])
+def test_a_task_estimated_above_the_cap_in_force_is_passed_over_until_it_is_raised(
+    stub: Stub, sdb: Db, cap: str
+) -> None:
+    """No day's room could take it: it does not hold back its tool or the tasks behind it, the
+    status names it, and it runs in its place once the cap is raised (alembic 0022). Before, it
+    stopped every claim of its tool for good, and nothing said why."""
+    set_cap(stub, 100 if cap == "global" else UNLIMITED)
+    tool_id = new_tool(stub, **({"daily_cap_nanos": 100} if cap == "tool" else {}))
+    big = queue(stub, tool_id, cost_estimate_nanos=150, priority=10)
+    cheap = [queue(stub, tool_id, cost_estimate_nanos=10) for _ in range(2)]
+    assert claim(stub, tool_id).task.id == cheap[0].id
+    batch = stub.ClaimTasks(task_pb2.ClaimTasksRequest(tool_id=tool_id, limit=5))
+    assert [claimed.task.id for claimed in batch.tasks] == [cheap[1].id]
+    assert idle(stub, tool_id) == "capped", "only the task no day's room takes is left"
+    status = stub.GetStatus(task_pb2.GetStatusRequest()).status
+    (row,) = [t for t in status.tools if t.tool_id == tool_id]
+    assert (row.queued, row.largest_queued_estimate_nanos) == (1, 150)
+    assert "over_cap" in {wait.reason for wait in housekeeping.waits(status)}
+    assert task_row(sdb, big.id)["status"] == "queued"
+
+    if cap == "global":
+        set_cap(stub, 1_000)
+    else:
+        stub.ConfigureTool(task_pb2.ConfigureToolRequest(tool_id=tool_id, daily_cap_nanos=1_000))
+    assert claim(stub, tool_id).task.id == big.id
 
 
 def test_a_per_task_estimate_overrides_the_tools(stub: Stub, sdb: Db) -> None:

@@ -419,6 +419,7 @@ def test_a_busy_http_port_stops_the_start(page: Page, tmp_path: Path) -> None:
 
 FRESH_PAUSED, FRESH, SILENT = "fresh-paused", "fresh", "long-silent"
 BUSY, COOLING, HELD = "at-its-limit", "cooling-tool", "held-tool"
+OVER_CAP = "over-its-cap"
 
 
 @pytest.fixture(scope="module")
@@ -435,13 +436,17 @@ def waits(databases: Databases, tmp_path_factory: pytest.TempPathFactory) -> Ite
         stub = service.stub
         ids = {
             name: stub.UpsertTool(task_pb2.UpsertToolRequest(name=name)).tool.id
-            for name in (FRESH_PAUSED, FRESH, SILENT, BUSY, COOLING, HELD)
+            for name in (FRESH_PAUSED, FRESH, SILENT, BUSY, COOLING, HELD, OVER_CAP)
         }
         for tool_id in ids.values():
             for _ in range(2):
                 stub.QueueTask(task_pb2.QueueTaskRequest(tool_id=tool_id))
         stub.ConfigureTool(task_pb2.ConfigureToolRequest(tool_id=ids[FRESH_PAUSED], paused=True))
         stub.ConfigureTool(task_pb2.ConfigureToolRequest(tool_id=ids[BUSY], max_in_flight=1))
+        stub.ConfigureTool(
+            task_pb2.ConfigureToolRequest(tool_id=ids[OVER_CAP], daily_cap_nanos=100)
+        )
+        stub.QueueTask(task_pb2.QueueTaskRequest(tool_id=ids[OVER_CAP], cost_estimate_nanos=150))
         claimed = stub.ClaimNextTask(task_pb2.ClaimNextTaskRequest(tool_id=ids[BUSY]))
         assert claimed.task.id, claimed
         with psycopg.connect(database_url, autocommit=True) as db:
@@ -501,7 +506,8 @@ def test_held_cooling_and_busy_tools_are_badged(waits: Page, tmp_path: Path) -> 
     assert f"{HELD} held " in rows[HELD]
     assert f"{BUSY} busy 1 of 1 running " in rows[BUSY]
     assert f"{FRESH} ok " in rows[FRESH]
-    for name in (COOLING, HELD, BUSY):
+    assert f"{OVER_CAP} a task over the cap " in rows[OVER_CAP]
+    for name in (COOLING, HELD, BUSY, OVER_CAP):
         assert " ok " not in rows[name]
 
 

@@ -168,9 +168,27 @@ def busy(db: Db, stub: Stub, tool_id: str) -> Callable[[], object]:
     return lambda: db.execute("DELETE FROM generation.tasks WHERE id = %s", [running["id"]])
 
 
+def a_dearer_task_ahead_short_of_todays_room(
+    db: Db, stub: Stub, tool_id: str
+) -> Callable[[], object]:
+    """The tool's cap has 40 left today and the task ahead in claim order is estimated at 50:
+    the claim stops there, so the task behind it (estimated at 0, which fits) waits on the cap
+    too (alembic 0022: it was called abandoned and reaped)."""
+    stub.ConfigureTool(task_pb2.ConfigureToolRequest(tool_id=tool_id, daily_cap_nanos=100))
+    db.execute(
+        "UPDATE generation.tools AS t SET spent_nanos = 60, "
+        "spent_day = (now() AT TIME ZONE s.timezone)::date FROM generation.settings AS s "
+        "WHERE t.id = %s",
+        [tool_id],
+    )
+    ahead = waiting_an_hour(db, stub, tool_id, priority=100, cost_estimate_nanos=50)
+    return lambda: stub.CancelTask(task_pb2.CancelTaskRequest(task_id=ahead))
+
+
 WAITS = [
     no_cap,
     cap_reached,
+    a_dearer_task_ahead_short_of_todays_room,
     switch_off,
     switch_off_by_a_replica,
     paused,
@@ -396,6 +414,31 @@ def test_a_worker_asking_for_the_tools_work_keeps_its_backlog_alive(
     claimed = wstub.ClaimNextTask(task_pb2.ClaimNextTaskRequest(tool_id=wtool))
     assert claimed.task.id == busy
     assert stale(wstub, task) is None
+
+
+def test_a_poll_counts_for_the_seconds_a_claim_may_leave_unnoted(
+    wdb: Db, wstub: Stub, wtool: str
+) -> None:
+    """A claim notes its tool's poll at most every 5 s, so under a short queued_max_age a tool
+    whose worker kept asking looked unattended between two notes (alembic 0022)."""
+    task = waiting_an_hour(wdb, wstub, wtool)
+    forget_waits(wdb, wtool)
+    wdb.execute(
+        "INSERT INTO generation.tool_polls (tool_id, polled_at) "
+        "VALUES (%s, now() - interval '6 seconds')",
+        [wtool],
+    )
+    wstub.UpdateSettings(task_pb2.UpdateSettingsRequest(queued_max_age_seconds=3))
+    try:
+        assert stale(wstub, task) is None, "asked 6 s ago: maybe 1 s ago, unnoted"
+        wdb.execute(
+            "UPDATE generation.tool_polls SET polled_at = now() - interval '9 seconds' "
+            "WHERE tool_id = %s",
+            [wtool],
+        )
+        assert stale(wstub, task) == task_pb2.STALE_REASON_ABANDONED
+    finally:
+        wstub.UpdateSettings(task_pb2.UpdateSettingsRequest(queued_max_age_seconds=900))
 
 
 def test_the_clock_restarts_when_a_wait_ends(wdb: Db, wstub: Stub, wtool: str) -> None:

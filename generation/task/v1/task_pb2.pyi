@@ -2357,6 +2357,7 @@ class ToolStatus(_message.Message):
     BUSY_FIELD_NUMBER: _builtins.int
     RESOURCE_KEY_FIELD_NUMBER: _builtins.int
     ACCOUNT_GROUP_FIELD_NUMBER: _builtins.int
+    LARGEST_QUEUED_ESTIMATE_NANOS_FIELD_NUMBER: _builtins.int
     tool_id: _builtins.str
     name: _builtins.str
     paused: _builtins.bool
@@ -2378,6 +2379,11 @@ class ToolStatus(_message.Message):
     resource_key: _builtins.str
     """The key and group its tasks use unless they name their own."""
     account_group: _builtins.str
+    largest_queued_estimate_nanos: _builtins.int
+    """The largest cost estimate of its queued tasks (their own, else the tool's). A task
+    estimated above the cap in force (the tool's own, or the global one) waits, passed over by
+    the claim, until the cap is raised.
+    """
     @_builtins.property
     def last_claim_at(self) -> _timestamp_pb2.Timestamp:
         """The last time any worker claimed one of its tasks."""
@@ -2409,10 +2415,11 @@ class ToolStatus(_message.Message):
         busy: _builtins.bool = ...,
         resource_key: _builtins.str = ...,
         account_group: _builtins.str = ...,
+        largest_queued_estimate_nanos: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_daily_cap_nanos", b"_daily_cap_nanos", "_max_in_flight", b"_max_in_flight", "cooling_until", b"cooling_until", "daily_cap_nanos", b"daily_cap_nanos", "held_until", b"held_until", "last_claim_at", b"last_claim_at", "max_in_flight", b"max_in_flight"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_daily_cap_nanos", b"_daily_cap_nanos", "_max_in_flight", b"_max_in_flight", "account_group", b"account_group", "busy", b"busy", "cooling_until", b"cooling_until", "daily_cap_nanos", b"daily_cap_nanos", "held_until", b"held_until", "in_flight", b"in_flight", "last_claim_at", b"last_claim_at", "max_in_flight", b"max_in_flight", "name", b"name", "no_worker_seen", b"no_worker_seen", "paused", b"paused", "queued", b"queued", "reserved_nanos", b"reserved_nanos", "resource_key", b"resource_key", "spent_today_nanos", b"spent_today_nanos", "tool_id", b"tool_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_daily_cap_nanos", b"_daily_cap_nanos", "_max_in_flight", b"_max_in_flight", "account_group", b"account_group", "busy", b"busy", "cooling_until", b"cooling_until", "daily_cap_nanos", b"daily_cap_nanos", "held_until", b"held_until", "in_flight", b"in_flight", "largest_queued_estimate_nanos", b"largest_queued_estimate_nanos", "last_claim_at", b"last_claim_at", "max_in_flight", b"max_in_flight", "name", b"name", "no_worker_seen", b"no_worker_seen", "paused", b"paused", "queued", b"queued", "reserved_nanos", b"reserved_nanos", "resource_key", b"resource_key", "spent_today_nanos", b"spent_today_nanos", "tool_id", b"tool_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__daily_cap_nanos: _TypeAlias = _typing.Literal["daily_cap_nanos"]  # noqa: Y015
     _WhichOneofArgType__daily_cap_nanos: _TypeAlias = _typing.Literal["_daily_cap_nanos", b"_daily_cap_nanos"]  # noqa: Y015

@@ -400,7 +400,8 @@ AS $$
       AND NOT EXISTS (
           SELECT 1 FROM generation.tool_polls AS p
           WHERE p.tool_id = tl.id
-            AND p.polled_at > now() - make_interval(secs => s.queued_max_age_seconds))
+            AND p.polled_at + interval '5 seconds'
+                > now() - make_interval(secs => s.queued_max_age_seconds))
       AND NOT EXISTS (
           SELECT 1 FROM generation.tasks AS q
           WHERE q.tool_id = tl.id AND q.status = 'processing' AND q.claim_expires_at > now())
@@ -629,6 +630,10 @@ $$;
 -- that one does: both count here as they count there (alembic 0020).
 -- A replica's override of the cap ends when it is last seen (gates_v1 counts it for 30 s more);
 -- while it lives, only the cap it sets holds anything back (alembic 0020).
+-- The claim admits money in claim order and stops at the first task today's room cannot take,
+-- so a cap short of the tool's next task's estimate holds every task of the tool, the cheaper
+-- ones behind it too; a claim notes a poll at most every 5 s, so a poll counts 5 s longer
+-- (alembic 0022).
 CREATE FUNCTION generation.stale_reason_v2(t generation.tasks) RETURNS text
 LANGUAGE sql STABLE
 AS $$
@@ -644,7 +649,8 @@ AS $$
         WHEN GREATEST(
                 s.gates_changed_at, tool.gates_changed_at,
                 (date_trunc('day', now() AT TIME ZONE s.timezone)) AT TIME ZONE s.timezone,
-                (SELECT p.polled_at FROM generation.tool_polls AS p WHERE p.tool_id = t.tool_id),
+                (SELECT p.polled_at + interval '5 seconds'
+                 FROM generation.tool_polls AS p WHERE p.tool_id = t.tool_id),
                 (SELECT max(c.cooling_until) FROM generation.cooldowns AS c
                  WHERE c.resource_key IN (COALESCE(t.resource_key, tool.resource_key, tool.name),
                                           COALESCE(tool.resource_key, tool.name))),
@@ -656,14 +662,34 @@ AS $$
                                       AND r.seen_at <= now() - interval '30 seconds'))
              ) > now() - make_interval(secs => s.queued_max_age_seconds) THEN NULL
         WHEN NOT g.running OR tool.paused OR g.cap = 0 THEN NULL
-        WHEN NOT generation.within_cap_v1(
-                sp.spent_nanos, sp.today, sp.today, sp.reserved_nanos,
-                COALESCE(t.cost_estimate_nanos, tool.cost_estimate_nanos), g.cap)
-          OR NOT generation.within_cap_v1(
-                tool.spent_nanos, tool.spent_day, sp.today,
-                CASE WHEN tool.spent_day = sp.today THEN tool.reserved_nanos ELSE 0 END,
-                COALESCE(t.cost_estimate_nanos, tool.cost_estimate_nanos),
-                tool.daily_cap_nanos) THEN NULL
+        -- Room for the larger of its own estimate and that of its tool's next task in claim
+        -- order (as the claim's step 2 picks it: due, not cooling or held, not over the cap
+        -- in force), which the claim must admit first: room for the larger is room for both.
+        WHEN EXISTS (
+            SELECT 1
+            FROM (SELECT GREATEST(
+                    COALESCE(t.cost_estimate_nanos, tool.cost_estimate_nanos),
+                    (SELECT COALESCE(h.cost_estimate_nanos, tool.cost_estimate_nanos)
+                     FROM generation.tasks AS h
+                     WHERE h.tool_id = t.tool_id AND h.status = 'queued'
+                       AND h.retry_count < h.max_retries AND h.run_at <= now()
+                       AND (h.expires_at IS NULL OR h.expires_at > now())
+                       AND COALESCE(h.cost_estimate_nanos, tool.cost_estimate_nanos)
+                           <= LEAST(g.cap, tool.daily_cap_nanos)
+                       AND (h.resource_key IS NULL OR NOT EXISTS (
+                             SELECT 1 FROM generation.cooldowns AS c
+                             WHERE c.resource_key = h.resource_key AND c.cooling_until > now()))
+                       AND (h.account_group IS NULL OR NOT EXISTS (
+                             SELECT 1 FROM generation.holds AS o
+                             WHERE o.account_group = h.account_group AND o.held_until > now()))
+                     ORDER BY h.reclaimed DESC, h.priority DESC, h.run_at
+                     LIMIT 1)) AS estimate) AS e
+            WHERE NOT generation.within_cap_v1(
+                      sp.spent_nanos, sp.today, sp.today, sp.reserved_nanos, e.estimate, g.cap)
+               OR NOT generation.within_cap_v1(
+                      tool.spent_nanos, tool.spent_day, sp.today,
+                      CASE WHEN tool.spent_day = sp.today THEN tool.reserved_nanos ELSE 0 END,
+                      e.estimate, tool.daily_cap_nanos)) THEN NULL
         WHEN EXISTS (SELECT 1 FROM generation.tasks AS q
                      WHERE q.tool_id = t.tool_id AND q.status = 'processing'
                        AND q.claim_expires_at > now()) THEN NULL
@@ -1311,7 +1337,10 @@ $$;
 -- holds, with no spend today and no zero cap of its own, and every task picked estimated at 0
 -- with a resource key without a limit. Then v3 would admit every task it picks, reserve nothing and grant
 -- nothing, so the runs start there; else that statement changes nothing and v3's steps decide
--- (alembic 0017).
+-- (alembic 0017). A task estimated above the cap in force (the tool's own, or the global one)
+-- cannot run whatever today's spend: the claim passes over it, so it holds back neither its
+-- tool nor the tasks behind it, and it runs in its place once the cap is raised; a claim that
+-- finds only such tasks answers 'capped' (alembic 0022).
 CREATE FUNCTION generation.claim_tasks_v4(
     p_tool uuid, p_limit integer, p_lease_seconds integer, p_disabled boolean, p_cap bigint
 ) RETURNS TABLE (task generation.tasks, lease_seconds integer, idle_reason text, event jsonb)
@@ -1483,7 +1512,8 @@ BEGIN
 
     IF blocked IS NULL AND NOT tool_cooling AND NOT tool_held AND NOT tool_busy THEN
         -- 2. Lock up to p_limit claimable tasks in claim order, skipping rows other claimers
-        --    hold (tasks_claim_idx serves this as an index-ordered top-N).
+        --    hold (tasks_claim_idx serves this as an index-ordered top-N), and tasks no day's
+        --    room could take: estimated above the cap in force.
         FOR picked IN
             SELECT q.id, COALESCE(q.cost_estimate_nanos, tool.cost_estimate_nanos) AS estimate,
                    COALESCE(q.resource_key, default_key) AS resource_key,
@@ -1498,6 +1528,8 @@ BEGIN
                     SELECT 1 FROM generation.holds AS h
                     WHERE h.account_group = q.account_group AND h.held_until > now()))
               AND (q.resource_key IS NULL OR NOT q.resource_key = ANY (full_keys))
+              AND COALESCE(q.cost_estimate_nanos, tool.cost_estimate_nanos)
+                  <= LEAST(g.cap, tool.daily_cap_nanos)
             ORDER BY q.reclaimed DESC, q.priority DESC, q.run_at
             LIMIT p_limit
             FOR NO KEY UPDATE OF q SKIP LOCKED
@@ -1630,7 +1662,9 @@ BEGIN
         END IF;
         IF blocked IS NULL THEN
             SELECT COALESCE(q.resource_key, default_key) AS resource_key,
-                   COALESCE(q.account_group, default_group) AS account_group INTO head
+                   COALESCE(q.account_group, default_group) AS account_group,
+                   COALESCE(q.cost_estimate_nanos, tool.cost_estimate_nanos) AS estimate
+            INTO head
             FROM generation.tasks AS q
             WHERE q.tool_id = p_tool AND q.status = 'queued' AND q.retry_count < q.max_retries
             ORDER BY q.reclaimed DESC, q.priority DESC, q.run_at
@@ -1647,6 +1681,7 @@ BEGIN
                 WHEN EXISTS (SELECT 1 FROM generation.cooldowns AS c
                              WHERE c.resource_key = head.resource_key AND c.cooling_until > now())
                     THEN 'cooling'
+                WHEN head.estimate > LEAST(g.cap, tool.daily_cap_nanos) THEN 'capped'
                 ELSE 'waiting' END;
         END IF;
         RETURN QUERY SELECT NULL::generation.tasks, NULL::integer, blocked, NULL::jsonb;
