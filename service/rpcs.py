@@ -234,6 +234,14 @@ def respond_queue_tasks(rows: list[Row]) -> task_pb2.QueueTasksResponse:
     created = sum(len(shape["ids"]) for shape in shapes)
     response = task_pb2.QueueTasksResponse(skipped=rows[0]["submitted"] - created)
     messages.queued_tasks(response.tasks, shapes)
+    if ids := rows[0]["existing_ids"]:
+        tool_id = rows[0]["existing_tool_id"]
+        for task_id, status, key in zip(
+            ids, rows[0]["existing_statuses"], rows[0]["existing_keys"], strict=True
+        ):
+            response.existing.add(
+                id=task_id, tool_id=tool_id, status=messages.STATUSES[status], idempotency_key=key
+            )
     return response
 
 

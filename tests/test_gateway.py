@@ -218,6 +218,11 @@ def test_enqueue_many_splits_into_calls_of_a_thousand_and_keeps_the_order(
     assert [task.input["n"] for task in first.tasks] == list(range(2_500))
     assert len({task.id for task in first.tasks}) == 2_500
     assert (again.skipped, [dict(task.input) for task in again.tasks]) == (2, [{"n": "new"}])
+    assert [(task.id, task.idempotency_key) for task in again.existing] == [
+        (first.tasks[10].id, keys[0]),
+        (first.tasks[2_499].id, keys[2]),
+    ]
+    assert {task.status for task in again.existing} == {task_pb2.TASK_STATUS_QUEUED}
 
     stored = {
         r["id"]: r
@@ -356,6 +361,17 @@ def test_enqueue_many_says_which_items_a_lost_answer_may_have_queued(
     assert incomplete.not_queued == list(range(2_000, 2_500)), "not sent after the failure"
     assert len(incomplete.enqueued.tasks) == 1_000
     assert (again.skipped, len(again.tasks)) == (1_000, 500), "the lost call had queued its own"
+    lost = db.execute(
+        "SELECT id::text AS id FROM generation.tasks WHERE tool_id = %s "
+        "AND idempotency_key = ANY(%s) ORDER BY created_at, id",
+        [tool_id, [items[i].idempotency_key for i in incomplete.unknown]],
+    ).fetchall()
+    assert sorted(task.id for task in again.existing) == sorted(r["id"] for r in lost), (
+        "the retry answers what the lost call created"
+    )
+    assert [task.idempotency_key for task in again.existing] == [
+        items[i].idempotency_key for i in incomplete.unknown
+    ]
     stored = db.execute(
         "SELECT count(*) AS n FROM generation.tasks WHERE tool_id = %s", [tool_id]
     ).fetchone()

@@ -75,7 +75,12 @@ class Enqueued:
     set (id, status, times, retries) with what each item sent (input, reservation, keys)."""
     skipped: int = 0
     """Items not queued because their idempotency_key was already used (the task it made
-    stands; `get` or the key find it)."""
+    stands)."""
+    existing: list[task_pb2.Task] = field(default_factory=list)
+    """The tasks of the skipped items, in item order, in brief (id, tool_id, status,
+    idempotency_key; `get` reads one whole): after a lost answer, sending the items again with
+    their keys answers what the lost call created here. A key another call committed while
+    this one ran is skipped without its task here."""
 
 
 REFUSED_CODES = frozenset(
@@ -253,6 +258,7 @@ class GatewayClient:
                 if isinstance(answer, task_pb2.QueueTasksResponse):
                     queued.tasks.extend(_created(chunk.tasks, answer.tasks))
                     queued.skipped += answer.skipped
+                    queued.existing.extend(answer.existing)
                     continue
                 failed = failed or answer
                 if answer is None or answer.code in REFUSED_CODES:

@@ -738,6 +738,7 @@ class QueueTasksResponse(_message.Message):
 
     TASKS_FIELD_NUMBER: _builtins.int
     SKIPPED_FIELD_NUMBER: _builtins.int
+    EXISTING_FIELD_NUMBER: _builtins.int
     skipped: _builtins.int
     """Items skipped because their idempotency_key was already used."""
     @_builtins.property
@@ -747,15 +748,23 @@ class QueueTasksResponse(_message.Message):
         is what the item sent (GetTask reads the whole row); the SDK's enqueue_many fills it in.
         """
 
+    @_builtins.property
+    def existing(self) -> _containers.RepeatedCompositeFieldContainer[Global___Task]:
+        """The tasks of the skipped items, in request order, in brief: id, tool_id, status and
+        idempotency_key (GetTask reads the whole row). A key a concurrent call committed while this
+        one ran is skipped without its task here, so this may hold fewer than `skipped`.
+        """
+
     def __init__(
         self,
         *,
         tasks: _abc.Iterable[Global___Task] | None = ...,
         skipped: _builtins.int = ...,
+        existing: _abc.Iterable[Global___Task] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["skipped", b"skipped", "tasks", b"tasks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["existing", b"existing", "skipped", b"skipped", "tasks", b"tasks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -58,7 +58,8 @@ class GenerationDataServiceStub:
     """
     QueueTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.QueueTasksRequest, _task_pb2.QueueTasksResponse]
     """Enqueues many tasks of one tool in one statement. Items whose idempotency_key is already
-    used are skipped (their tasks are not returned). Each created task is answered with what the
+    used are skipped; their tasks are answered apart, in brief (`existing`), so a call sent
+    again after a lost answer learns what the first one created. Each created task is answered with what the
     service set, not with what the request sent (see QueueTasksResponse.tasks): a thousand whole
     rows, inputs included, cost more to return and convert than to insert. The statement answers
     one row per shape (the columns its tasks share: one now() for created_at, and for run_at and
@@ -257,7 +258,8 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     """
     QueueTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.QueueTasksRequest, _task_pb2.QueueTasksResponse]  # type: ignore[assignment]
     """Enqueues many tasks of one tool in one statement. Items whose idempotency_key is already
-    used are skipped (their tasks are not returned). Each created task is answered with what the
+    used are skipped; their tasks are answered apart, in brief (`existing`), so a call sent
+    again after a lost answer learns what the first one created. Each created task is answered with what the
     service set, not with what the request sent (see QueueTasksResponse.tasks): a thousand whole
     rows, inputs included, cost more to return and convert than to insert. The statement answers
     one row per shape (the columns its tasks share: one now() for created_at, and for run_at and
@@ -471,7 +473,8 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.QueueTasksResponse, _abc.Awaitable[_task_pb2.QueueTasksResponse]]:
         """Enqueues many tasks of one tool in one statement. Items whose idempotency_key is already
-        used are skipped (their tasks are not returned). Each created task is answered with what the
+        used are skipped; their tasks are answered apart, in brief (`existing`), so a call sent
+        again after a lost answer learns what the first one created. Each created task is answered with what the
         service set, not with what the request sent (see QueueTasksResponse.tasks): a thousand whole
         rows, inputs included, cost more to return and convert than to insert. The statement answers
         one row per shape (the columns its tasks share: one now() for created_at, and for run_at and
