@@ -13,8 +13,9 @@ Two defects followed, both reproduced by a review:
 - A task that only exceeds today's room still stops the claim (so cheaper tasks cannot starve
   it of the room each day frees), and holds back the cheaper tasks behind it. `stale_reason_v2`
   judged each task's own estimate, so with no worker asking, the cheaper ones were called
-  abandoned and reaped while the one ahead, which held them, was not. It now asks for room for
-  the larger of the task's own estimate and that of its tool's next task in claim order.
+  abandoned and reaped while the one ahead, which held them, was not. It now also asks for
+  room for its tool's next task in claim order, found among the first 20 (last of its checks,
+  and bounded: a queue of tasks over the cap must not cost each candidate the whole queue).
 
 Also: a claim notes its tool's poll at most every 5 s, and `queued_max_age_seconds` may be as
 low as 1, so a tool whose worker kept asking could be called unattended between two notes.
@@ -104,34 +105,14 @@ AS $$
                                       AND r.seen_at <= now() - interval '30 seconds'))
              ) > now() - make_interval(secs => s.queued_max_age_seconds) THEN NULL
         WHEN NOT g.running OR tool.paused OR g.cap = 0 THEN NULL
-        -- Room for the larger of its own estimate and that of its tool's next task in claim
-        -- order (as the claim's step 2 picks it: due, not cooling or held, not over the cap
-        -- in force), which the claim must admit first: room for the larger is room for both.
-        WHEN EXISTS (
-            SELECT 1
-            FROM (SELECT GREATEST(
-                    COALESCE(t.cost_estimate_nanos, tool.cost_estimate_nanos),
-                    (SELECT COALESCE(h.cost_estimate_nanos, tool.cost_estimate_nanos)
-                     FROM generation.tasks AS h
-                     WHERE h.tool_id = t.tool_id AND h.status = 'queued'
-                       AND h.retry_count < h.max_retries AND h.run_at <= now()
-                       AND (h.expires_at IS NULL OR h.expires_at > now())
-                       AND COALESCE(h.cost_estimate_nanos, tool.cost_estimate_nanos)
-                           <= LEAST(g.cap, tool.daily_cap_nanos)
-                       AND (h.resource_key IS NULL OR NOT EXISTS (
-                             SELECT 1 FROM generation.cooldowns AS c
-                             WHERE c.resource_key = h.resource_key AND c.cooling_until > now()))
-                       AND (h.account_group IS NULL OR NOT EXISTS (
-                             SELECT 1 FROM generation.holds AS o
-                             WHERE o.account_group = h.account_group AND o.held_until > now()))
-                     ORDER BY h.reclaimed DESC, h.priority DESC, h.run_at
-                     LIMIT 1)) AS estimate) AS e
-            WHERE NOT generation.within_cap_v1(
-                      sp.spent_nanos, sp.today, sp.today, sp.reserved_nanos, e.estimate, g.cap)
-               OR NOT generation.within_cap_v1(
-                      tool.spent_nanos, tool.spent_day, sp.today,
-                      CASE WHEN tool.spent_day = sp.today THEN tool.reserved_nanos ELSE 0 END,
-                      e.estimate, tool.daily_cap_nanos)) THEN NULL
+        WHEN NOT generation.within_cap_v1(
+                sp.spent_nanos, sp.today, sp.today, sp.reserved_nanos,
+                COALESCE(t.cost_estimate_nanos, tool.cost_estimate_nanos), g.cap)
+          OR NOT generation.within_cap_v1(
+                tool.spent_nanos, tool.spent_day, sp.today,
+                CASE WHEN tool.spent_day = sp.today THEN tool.reserved_nanos ELSE 0 END,
+                COALESCE(t.cost_estimate_nanos, tool.cost_estimate_nanos),
+                tool.daily_cap_nanos) THEN NULL
         WHEN EXISTS (SELECT 1 FROM generation.tasks AS q
                      WHERE q.tool_id = t.tool_id AND q.status = 'processing'
                        AND q.claim_expires_at > now()) THEN NULL
@@ -140,6 +121,37 @@ AS $$
                                               COALESCE(tool.resource_key, tool.name))
                        AND generation.key_running_v1(l.resource_key, l.max_in_flight)
                            >= l.max_in_flight) THEN NULL
+        -- The claim must admit its tool's next task first (as step 2 picks it: due, not
+        -- cooling or held, not over the cap in force) and stops there when today's room cannot
+        -- take it: then that task holds this one too. Last, being the dearest check, and looking
+        -- among the first 20 tasks in claim order only, so that a queue of tasks over the cap
+        -- costs each candidate 20 rows, not the whole queue (past them, as before 0022, only
+        -- the task's own estimate counts).
+        WHEN NOT (
+            SELECT generation.within_cap_v1(
+                       sp.spent_nanos, sp.today, sp.today, sp.reserved_nanos, ahead.estimate,
+                       g.cap)
+                   AND generation.within_cap_v1(
+                       tool.spent_nanos, tool.spent_day, sp.today,
+                       CASE WHEN tool.spent_day = sp.today THEN tool.reserved_nanos ELSE 0 END,
+                       ahead.estimate, tool.daily_cap_nanos)
+            FROM (SELECT COALESCE(h.cost_estimate_nanos, tool.cost_estimate_nanos) AS estimate,
+                         h.resource_key, h.account_group, h.reclaimed, h.priority, h.run_at
+                  FROM generation.tasks AS h
+                  WHERE h.tool_id = t.tool_id AND h.status = 'queued'
+                    AND h.retry_count < h.max_retries AND h.run_at <= now()
+                    AND (h.expires_at IS NULL OR h.expires_at > now())
+                  ORDER BY h.reclaimed DESC, h.priority DESC, h.run_at
+                  LIMIT 20) AS ahead
+            WHERE ahead.estimate <= LEAST(g.cap, tool.daily_cap_nanos)
+              AND (ahead.resource_key IS NULL OR NOT EXISTS (
+                    SELECT 1 FROM generation.cooldowns AS c
+                    WHERE c.resource_key = ahead.resource_key AND c.cooling_until > now()))
+              AND (ahead.account_group IS NULL OR NOT EXISTS (
+                    SELECT 1 FROM generation.holds AS o
+                    WHERE o.account_group = ahead.account_group AND o.held_until > now()))
+            ORDER BY ahead.reclaimed DESC, ahead.priority DESC, ahead.run_at
+            LIMIT 1) THEN NULL
         ELSE 'abandoned'
     END
     FROM generation.settings AS s, generation.spend_today AS sp,
