@@ -426,7 +426,7 @@ def waits(status: task_pb2.Status) -> list[Wait]:
                 f"`genq cap N --tool {name}` (now {money(tool.daily_cap_nanos, currency)})",
                 tool,
             )
-        elif cap is not None and (over := over_cap(tool, cap)):
+        elif over := over_cap(tool, settings):
             hold("over_cap", "a task's estimate exceeds the daily cap in force", over, tool)
     return [
         Wait(reason, [t.name for t in tools], sum(t.queued for t in tools), why, "; ".join(fixes))
@@ -434,17 +434,23 @@ def waits(status: task_pb2.Status) -> list[Wait]:
     ]
 
 
-def over_cap(tool: task_pb2.ToolStatus, cap: int) -> str | None:
+def over_cap(tool: task_pb2.ToolStatus, settings: task_pb2.Settings) -> str | None:
     """The fix when a queued task of the tool is estimated above the cap in force (the tool's
-    own, else the global one), which the claim passes over until it is raised; None otherwise."""
+    own, or the global one), which the claim passes over until it is raised; None otherwise."""
     largest = tool.largest_queued_estimate_nanos
+    cap = cap_in_force(settings)
+    fixes = []
     if tool.HasField("daily_cap_nanos") and largest > tool.daily_cap_nanos:
-        raise_it = f"`genq cap N --tool {shlex.quote(tool.name)}`"
-    elif largest > cap:
-        raise_it = "`genq cap N`"
-    else:
+        fixes.append(f"`genq cap N --tool {shlex.quote(tool.name)}`")
+    if cap is not None and largest > cap:
+        fixes.append(
+            "GENQ_DAILY_CAP_NANOS raised on the replica that sets it"
+            if settings.HasField("cap_override_nanos")
+            else "`genq cap N`"
+        )
+    if not fixes:
         return None
-    return f"{raise_it} with N at least {money(largest)}, or cancel that task"
+    return f"{' and '.join(fixes)} with N at least {money(largest)}, or cancel that task"
 
 
 async def warn_at_start(database: Database, settings: Settings) -> None:

@@ -412,7 +412,7 @@ def render_page(
         ),
         chart=chart(status.last_hour, now, zone),
         tools=[
-            (tool, _tool_badges(tool, cap_in_force(status.settings)), _last_claim(tool, now))
+            (tool, _tool_badges(tool, status.settings), _last_claim(tool, now))
             for tool in status.tools
         ],
         audit=audit,
@@ -527,14 +527,14 @@ def _stale_item(item: task_pb2.StaleTask) -> str:
     return f"{item.task.id} ({reason.replace('_', ' ')}{source})"
 
 
-def _tool_badges(tool: task_pb2.ToolStatus, cap: int | None) -> list[tuple[str, str]]:
+def _tool_badges(tool: task_pb2.ToolStatus, settings: task_pb2.Settings) -> list[tuple[str, str]]:
     """(class, word) of each state the tool is in; "ok" when none holds it up."""
     badges = []
     if tool.paused:
         badges.append(("warn", "paused"))
     if tool.HasField("daily_cap_nanos") and _tool_capped(tool):
         badges.append(("bad", "capped"))
-    if cap is not None and over_cap(tool, cap):
+    if over_cap(tool, settings):
         badges.append(("bad", "a task over the cap"))
     if tool.HasField("cooling_until"):
         badges.append(("warn", "cooling"))

@@ -23,7 +23,8 @@ import pytest
 from psycopg.rows import dict_row
 
 from generation.task.v1 import task_pb2, task_pb2_grpc
-from service.rpcs import HAND_BACK_SQL
+from service.rpcs import BINDINGS, HAND_BACK_SQL, STATEMENTS
+from service.settings import Settings
 from tests.conftest import Databases, ServiceProcess, url_for, wait_for
 from tests.invariants import assert_invariants
 from tests.tcp_proxy import AnswerDroppingProxy, TcpProxy
@@ -280,55 +281,91 @@ def test_a_retry_sent_again_with_its_key_neither_fails_nor_runs_the_task_twice(
 # --- a QueueTask REQUEUE sent again after its answer was lost ----------------------------------
 
 
-def test_a_requeue_sent_again_with_its_key_does_not_run_the_task_twice(
-    stub: Stub, db: Db, tool_id: str
-) -> None:
-    """A settled task is queued again by QueueTask REQUEUE with a requeue_key and the answer is
-    lost; the caller sends the same request again after the task ran and failed again and was
-    settled. It answers the task as it is, requeued_now false, and changes nothing: without the
-    key it queued the task once more, a third paid run and a third settlement round."""
-    request = task_pb2.QueueTaskRequest(
+def requeue_request(tool_id: str, requeue_key: str) -> task_pb2.QueueTaskRequest:
+    return task_pb2.QueueTaskRequest(
         tool_id=tool_id,
-        idempotency_key="nightly-report",
+        idempotency_key=f"nightly-{tool_id}",
         reserved_token_amount=50,
         max_retries=1,
         on_conflict=task_pb2.ON_CONFLICT_REQUEUE,
-        requeue_key="after-the-outage",
+        requeue_key=requeue_key,
     )
-    made = stub.QueueTask(request)
+
+
+def run_and_settle(stub: Stub, tool_id: str, task_id: str) -> None:
+    claimed = claim(stub, tool_id)
+    assert claimed.task.id == task_id
+    stub.FailTask(task_pb2.FailTaskRequest(task_id=task_id, lease_token=claimed.lease_token))
+    stub.SettleTask(task_pb2.SettleTaskRequest(task_id=task_id))
+
+
+def test_a_requeue_sent_again_with_its_key_does_not_run_the_task_twice(
+    stub: Stub, db: Db, tool_id: str
+) -> None:
+    """QueueTask REQUEUE with a requeue_key, its answer lost, sent again after the task ran,
+    failed and was settled: it answers the task as it is, requeued_now false, and changes
+    nothing. So for the call that created the task (its key was recorded nowhere: found in
+    review) and for one that queued it again; without the key each queued it once more, another
+    paid run and another settlement round."""
+    created = requeue_request(tool_id, "k1")
+    made = stub.QueueTask(created)
     assert (made.created, made.requeued_now) == (True, False)
+    run_and_settle(stub, tool_id, made.task.id)
+    late = stub.QueueTask(created)  # the creating call's answer "lost"
+    assert (late.requeued_now, late.task.status) == (False, task_pb2.TASK_STATUS_FAILED)
 
-    def run_and_settle() -> None:
-        claimed = claim(stub, tool_id)
-        assert claimed.task.id == made.task.id
-        stub.FailTask(
-            task_pb2.FailTaskRequest(task_id=made.task.id, lease_token=claimed.lease_token)
-        )
-        stub.SettleTask(task_pb2.SettleTaskRequest(task_id=made.task.id))
-
-    run_and_settle()
-    first = stub.QueueTask(request)  # its answer "lost"
+    again = requeue_request(tool_id, "k2")
+    first = stub.QueueTask(again)  # its answer "lost"
     assert (first.created, first.requeued_now, first.task.status) == (
         False,
         True,
         task_pb2.TASK_STATUS_QUEUED,
     )
-    run_and_settle()
-    late = stub.QueueTask(request)
+    run_and_settle(stub, tool_id, made.task.id)
+    late = stub.QueueTask(again)
     assert (late.requeued_now, late.task.status) == (False, task_pb2.TASK_STATUS_FAILED)
     stored = row(db, made.task.id)
     assert (stored["settlement_round"], stored["attempt_count"]) == (2, 2), "no third run"
+    assert stored["requeue_keys"] == ["k1", "k2"]
     keys = db.execute(
         "SELECT data ->> 'requeue_key' AS key FROM generation.task_events "
         "WHERE task_id = %s AND kind = 'requeued'",
         [made.task.id],
     ).fetchall()
-    assert keys == [{"key": "after-the-outage"}]
-
-    request.requeue_key = "once-more"
-    fresh = stub.QueueTask(request)
-    assert (fresh.requeued_now, fresh.task.status) == (True, task_pb2.TASK_STATUS_QUEUED)
+    assert keys == [{"key": "k2"}]
     assert_invariants(db, tool_id, [made.task.id])
+
+
+def test_a_requeue_racing_its_own_resend_queues_the_task_once(
+    stub: Stub, db: Db, database_url: str, tool_id: str
+) -> None:
+    """The first REQUEUE holds the row; the same request, sent again, waits for it with a
+    snapshot taken before the first one commits, and meanwhile the task has finished again
+    (here: cancelled in the first one's transaction). The resend must see the key on the row it
+    then locks: reading it from the events in its snapshot, it queued the task a second time
+    (found in review)."""
+    request = requeue_request(tool_id, "k1")
+    made = stub.QueueTask(
+        task_pb2.QueueTaskRequest(
+            tool_id=tool_id,
+            idempotency_key=request.idempotency_key,
+            reserved_token_amount=50,
+            max_retries=1,
+        )
+    )
+    run_and_settle(stub, tool_id, made.task.id)
+    params = BINDINGS["QueueTask"].bind(request, Settings())
+    with psycopg.connect(database_url) as first, ThreadPoolExecutor(1) as pool:
+        first.execute(STATEMENTS["QueueTask"], params)
+        first.execute(
+            "UPDATE generation.tasks SET status = 'cancelled' WHERE id = %s", [made.task.id]
+        )
+        resent = pool.submit(stub.QueueTask, request)
+        wait_for(partial(lock_waiters_reach, db, 1), what="the resend to wait")
+        first.commit()
+        answer = resent.result(timeout=20)
+    assert (answer.requeued_now, answer.task.status) == (False, task_pb2.TASK_STATUS_CANCELLED)
+    assert row(db, made.task.id)["requeue_keys"] == ["k1"]
 
 
 @pytest.mark.parametrize("on_conflict", ["RETURN", "QueueTasks"])

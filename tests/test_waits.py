@@ -109,6 +109,18 @@ def test_a_task_estimated_above_the_cap_in_force_is_named_with_its_fix() -> None
         "`genq cap N` with N at least 12.00, or cancel that task; "
         "`genq cap N --tool own` with N at least 2.00, or cancel that task"
     )
+    # Both caps below it: both named. An override in force: the replica that sets it.
+    both = tool("both", daily_cap_nanos=str(UNIT), largest_queued_estimate_nanos=str(11 * UNIT))
+    (wait,) = waits(status([both], **capped))
+    assert wait.fix.startswith("`genq cap N --tool both` and `genq cap N` with N at least 11.00")
+    (wait,) = waits(
+        status(
+            [tool("big", largest_queued_estimate_nanos=str(2 * UNIT))],
+            daily_cap_nanos=str(10 * UNIT),
+            cap_override_nanos=str(UNIT),
+        )
+    )
+    assert wait.fix.startswith("GENQ_DAILY_CAP_NANOS raised on the replica that sets it")
 
 
 def test_start_warnings() -> None:

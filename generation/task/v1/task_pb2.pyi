@@ -646,10 +646,11 @@ class QueueTaskRequest(_message.Message):
     page; at most 200 characters.
     """
     requeue_key: _builtins.str
-    """With on_conflict REQUEUE, makes the requeue idempotent (up to 512 characters): it is written
-    into the `requeued` event, and a REQUEUE with a key the task's events already hold changes
-    nothing and answers the task as it is now. Send the same key again when an answer was lost;
-    a new one to run the task once more.
+    """With on_conflict REQUEUE, makes the requeue idempotent (up to 512 characters): it is kept on
+    the task (and written into the `requeued` event), and a REQUEUE with a key the task holds
+    already, from the call that created it or one that queued it again, changes nothing and
+    answers the task as it is now. Send the same key again when an answer was lost; a new one
+    to run the task once more.
     """
     @_builtins.property
     def input(self) -> _struct_pb2.Struct: ...

@@ -47,9 +47,11 @@ class GenerationDataServiceStub:
     already settled is replaced by this request's and settles in a new round, one not yet
     settled is kept and settles once, as in RetryTask; a completed task whose reservation is not
     settled yet is answered as RETURN would, since its delivery must be charged first); a
-    different input is ALREADY_EXISTS. A REQUEUE with a requeue_key the task's `requeued`
-    events already hold is answered as RETURN would: sent again after a lost answer, it does
-    not run the task once more. The conflict path writes an update even when nothing changes,
+    different input is ALREADY_EXISTS. A REQUEUE with a requeue_key the task holds already
+    (`requeue_keys`: of the REQUEUEs that created it or queued it again) is answered as RETURN
+    would: sent again after a lost answer, it does not run the task once more. The key is
+    checked on the row the conflict path holds locked, at its newest version, so two such calls
+    racing requeue it once. The conflict path writes an update even when nothing changes,
     because that returns the row even when a concurrent duplicate committed after this
     statement's snapshot; it locks the row, so a REQUEUE and a SettleTask of the task are
     ordered. Whether it queues the task again (`again`) is decided once, in the sub-SELECT that
@@ -247,9 +249,11 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     already settled is replaced by this request's and settles in a new round, one not yet
     settled is kept and settles once, as in RetryTask; a completed task whose reservation is not
     settled yet is answered as RETURN would, since its delivery must be charged first); a
-    different input is ALREADY_EXISTS. A REQUEUE with a requeue_key the task's `requeued`
-    events already hold is answered as RETURN would: sent again after a lost answer, it does
-    not run the task once more. The conflict path writes an update even when nothing changes,
+    different input is ALREADY_EXISTS. A REQUEUE with a requeue_key the task holds already
+    (`requeue_keys`: of the REQUEUEs that created it or queued it again) is answered as RETURN
+    would: sent again after a lost answer, it does not run the task once more. The key is
+    checked on the row the conflict path holds locked, at its newest version, so two such calls
+    racing requeue it once. The conflict path writes an update even when nothing changes,
     because that returns the row even when a concurrent duplicate committed after this
     statement's snapshot; it locks the row, so a REQUEUE and a SettleTask of the task are
     ordered. Whether it queues the task again (`again`) is decided once, in the sub-SELECT that
@@ -456,9 +460,11 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         already settled is replaced by this request's and settles in a new round, one not yet
         settled is kept and settles once, as in RetryTask; a completed task whose reservation is not
         settled yet is answered as RETURN would, since its delivery must be charged first); a
-        different input is ALREADY_EXISTS. A REQUEUE with a requeue_key the task's `requeued`
-        events already hold is answered as RETURN would: sent again after a lost answer, it does
-        not run the task once more. The conflict path writes an update even when nothing changes,
+        different input is ALREADY_EXISTS. A REQUEUE with a requeue_key the task holds already
+        (`requeue_keys`: of the REQUEUEs that created it or queued it again) is answered as RETURN
+        would: sent again after a lost answer, it does not run the task once more. The key is
+        checked on the row the conflict path holds locked, at its newest version, so two such calls
+        racing requeue it once. The conflict path writes an update even when nothing changes,
         because that returns the row even when a concurrent duplicate committed after this
         statement's snapshot; it locks the row, so a REQUEUE and a SettleTask of the task are
         ordered. Whether it queues the task again (`again`) is decided once, in the sub-SELECT that

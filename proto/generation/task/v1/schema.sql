@@ -98,6 +98,9 @@ CREATE TABLE generation.tasks (
     last_event_seq bigint NOT NULL DEFAULT 0,
     -- Who or what enqueued it (alembic 0009).
     source text,
+    -- The requeue_keys of the QueueTask REQUEUEs that created it or queued it again: one sent
+    -- again after a lost answer finds its key here, on the row it holds locked (alembic 0023).
+    requeue_keys text[],
     CONSTRAINT tasks_priority_range CHECK (priority BETWEEN -100 AND 100),
     CONSTRAINT tasks_max_retries_range CHECK (max_retries BETWEEN 0 AND 100),
     CONSTRAINT tasks_retry_count_nonnegative CHECK (retry_count >= 0),
