@@ -256,7 +256,7 @@ async def run(
     # on the leader.
     start_purge = purge_at_start
     purge_due = loop.time() + PURGE_INTERVAL_SECONDS
-    election_due = loop.time()
+    election_due = rescue_due = loop.time()
 
     def leading() -> bool:
         return leadership.leading
@@ -272,7 +272,10 @@ async def run(
         if loop.time() >= election_due:
             election_due = loop.time() + leadership.renew
             await leadership.elect()
-        if leadership.leading:
+        if leadership.leading and loop.time() >= rescue_due:
+            # Every `interval`, not at each renewal of the lease too (every 3 s, whatever
+            # GENQ_RESCUE_INTERVAL_SECONDS said).
+            rescue_due = loop.time() + interval
             try:
                 # A long backlog stops at the lease's end: one leader sweeps at a time.
                 if rescued := await rescue_lapsed_leases(database, signals, leading):
@@ -288,7 +291,8 @@ async def run(
         if start_purge or (leadership.leading and loop.time() >= purge_due):
             start_purge = False
             purge_due = await _purge(database)
-        await asyncio.sleep(max(0.0, min(interval, election_due - loop.time())))
+        due = min(rescue_due, election_due) if leadership.leading else election_due
+        await asyncio.sleep(max(0.0, min(interval, due - loop.time())))
 
 
 async def _purge(database: Database) -> float:
