@@ -335,6 +335,25 @@ def test_a_tool_change_that_lets_its_tasks_run_restarts_the_clock(
     assert force_fail(wstub, task) is Reason.TASK_NOT_STALE
 
 
+def test_a_tool_change_that_changes_nothing_leaves_the_clock_alone(
+    wdb: Db, wstub: Stub, wtool: str
+) -> None:
+    """Clearing a setting the tool does not have, or setting one to its value, holds nothing
+    back and lets nothing run: an abandoned task stays found. Before, every clear restarted
+    the clock, so a script sending it again kept the tool's tasks from ever being found."""
+    task = waiting_an_hour(wdb, wstub, wtool)
+    forget_waits(wdb, wtool)
+    wstub.ConfigureTool(
+        task_pb2.ConfigureToolRequest(
+            tool_id=wtool,
+            clear=["resource_key", "account_group", "daily_cap_nanos", "max_in_flight"],
+            paused=False,
+            cost_estimate_nanos=0,
+        )
+    )
+    assert stale(wstub, task) == task_pb2.STALE_REASON_ABANDONED
+
+
 def test_a_replica_that_held_the_switch_off_and_stopped_restarts_the_clock(
     wdb: Db, wstub: Stub, wtool: str
 ) -> None:
