@@ -77,6 +77,19 @@ class Handlers:
         self.metrics = metrics or Metrics()
         self.guard = Guard(database, settings)
         self._hand_backs: set[asyncio.Task[None]] = set()
+        self._stopping = False
+
+    def stop(self) -> None:
+        """The service is stopping: parked claims answer now, as if their wait ran out (they
+        held the stop for its whole grace, then failed UNAVAILABLE; found in review)."""
+        self._stopping = True
+        self.signals.tools.notify_all()
+
+    async def hand_backs_done(self, seconds: float) -> None:
+        """Waits up to `seconds` for the hand-backs of claims whose callers went away, so that
+        they are not cut off by the pool's close (their tasks would wait out their lease)."""
+        if self._hand_backs:
+            await asyncio.wait(set(self._hand_backs), timeout=seconds)
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         """GenerationDataService, each method bound to the statement in its `sql` option.
@@ -157,9 +170,11 @@ class Handlers:
                 remaining = deadline - loop.time()
                 if rows[0]["id"] is not None or rows[0]["idle_reason"] == "unknown_tool":
                     return rows
-                if remaining <= 0:
+                if remaining <= 0 or self._stopping:
                     return rows
                 await wake.wait(waiter, min(remaining, self.settings.recheck_seconds))
+                if self._stopping:
+                    return rows
             finally:
                 wake.discard(tool, waiter)
 

@@ -7,7 +7,8 @@ with one statement (ELECT_SQL, River's `river_leader` shape): it wins when the l
 already its own, and the lease then runs GENQ_LEADER_TTL_SECONDS (10) on the database's clock. A
 leader acts as one only until its own clock says the lease it last won ends (from when it sent
 that statement, so never past the database's expiry): a leader frozen (SIGSTOP) or cut off from
-the database stops sweeping before another can take over. A clean stop deletes the row, so
+the database stops sweeping before another can take over, and a sweep it sent just before runs
+only if its lease still holds on the database's clock (LEADING). A clean stop deletes the row, so
 another process takes over at its next try; a dead or frozen one's lapses, and another takes over
 within TTL + renew interval. Each sweep still locks with SKIP LOCKED and re-checks in its WHERE
 clause, so two leaders overlapping (a clock that jumps) would be harmless, only wasteful.
@@ -48,7 +49,6 @@ import asyncio
 import logging
 import shlex
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from generation.task.v1 import task_pb2
@@ -68,12 +68,22 @@ from workers_sdk.cli.render import money
 
 log = logging.getLogger(__name__)
 
+# A sweep runs only while its sender holds the maintenance lease on the database's clock (a
+# one-time filter: the function is not called otherwise). A leader cut off from the database can
+# send one just before its lease ends, and it arrives when the link heals: the database must not
+# run it once another process leads (found in review: a thawed leader rescued 200 tasks after
+# another had taken over).
+LEADING = (
+    "EXISTS (SELECT 1 FROM generation.leader AS l "
+    "WHERE l.name = %(leader)s AND l.holder = %(holder)s AND l.expires_at > now())"
+)
 RESCUE_SQL = (
     "SELECT (r.task).id, (r.task).tool_id, (r.task).status, r.event "
-    "FROM generation.rescue_lapsed_v2(%(batch)s) AS r"
+    f"FROM generation.rescue_lapsed_v2(%(batch)s) AS r WHERE {LEADING}"
 )
 EXPIRE_SQL = (
-    "SELECT (e.task).id, e.event FROM generation.expire_tasks_v1(%(batch)s, %(disabled)s) AS e"
+    "SELECT (e.task).id, e.event FROM generation.expire_tasks_v1(%(batch)s, %(disabled)s) AS e "
+    f"WHERE {LEADING}"
 )
 # This replica's environment overrides, shown to every replica's claims while it runs.
 OVERRIDES_SQL = """
@@ -107,6 +117,11 @@ RETURNING holder
 """
 RESIGN_SQL = "DELETE FROM generation.leader WHERE name = %(name)s AND holder = %(holder)s"
 
+STOP_STATEMENT_SECONDS = 2.0
+"""The bound on what a stop writes (giving the lease up, withdrawing overrides) and on the
+hand-backs it waits for: each lapses or ages out on its own, and a frozen database must not
+hold a stop for the pool's whole bound (17 s; found in review)."""
+
 BATCH = 1000
 PURGE_SQL = STATEMENTS["PurgeTasks"]
 PURGE_BATCH = 1000
@@ -119,35 +134,37 @@ WAITS_CHECK_SECONDS = 10.0
 WAITS_REPEAT_SECONDS = 60.0
 
 
-def _always() -> bool:
-    return True
-
-
-async def rescue_lapsed_leases(
-    database: Database, signals: Signals, go_on: Callable[[], bool] = _always
-) -> int:
-    """One rescue sweep, batch after batch while `go_on()` (this process still leads); returns
-    how many lapsed leases it ended."""
+async def rescue_lapsed_leases(database: Database, signals: Signals, leadership: Leadership) -> int:
+    """One rescue sweep, batch after batch while this process leads, each bounded by what is
+    left of its lease; returns how many lapsed leases it ended."""
     total = 0
-    while True:
-        rows = await database.fetch(RESCUE_SQL, {"batch": BATCH})
+    while leadership.leading:
+        rows = await database.fetch(
+            RESCUE_SQL, {"batch": BATCH, **leadership.fence}, timeout=leadership.left()
+        )
         signal_requeue(signals, rows)
         total += len(rows)
-        if len(rows) < BATCH or not go_on():
-            return total
+        if len(rows) < BATCH:
+            break
+    return total
 
 
 async def expire_tasks(
-    database: Database, signals: Signals, settings: Settings, go_on: Callable[[], bool] = _always
+    database: Database, signals: Signals, settings: Settings, leadership: Leadership
 ) -> int:
-    """One expiry sweep, batch after batch while `go_on()`; returns how many tasks expired."""
+    """One expiry sweep, as `rescue_lapsed_leases`; returns how many tasks expired."""
     total = 0
-    while True:
-        rows = await database.fetch(EXPIRE_SQL, {"batch": BATCH, "disabled": settings.disabled})
+    while leadership.leading:
+        rows = await database.fetch(
+            EXPIRE_SQL,
+            {"batch": BATCH, "disabled": settings.disabled, **leadership.fence},
+            timeout=leadership.left(),
+        )
         signal_event(signals, rows)
         total += len(rows)
-        if len(rows) < BATCH or not go_on():
-            return total
+        if len(rows) < BATCH:
+            break
+    return total
 
 
 async def purge_finished(database: Database) -> tuple[int, int]:
@@ -178,7 +195,7 @@ async def show_overrides(database: Database, settings: Settings, replica: uuid.U
 
 
 async def withdraw_overrides(database: Database, replica: uuid.UUID) -> None:
-    await database.fetch(OVERRIDES_GONE_SQL, {"replica": replica})
+    await database.fetch(OVERRIDES_GONE_SQL, {"replica": replica}, timeout=STOP_STATEMENT_SECONDS)
 
 
 class Leadership:
@@ -196,6 +213,17 @@ class Leadership:
     @property
     def leading(self) -> bool:
         return self._until is not None and asyncio.get_running_loop().time() < self._until
+
+    def left(self) -> float:
+        """Seconds left of the lease this process last won, by its own clock (0 when none)."""
+        if self._until is None:
+            return 0.0
+        return max(0.0, self._until - asyncio.get_running_loop().time())
+
+    @property
+    def fence(self) -> dict[str, object]:
+        """The parameters of LEADING: a sweep runs only while this process holds the lease."""
+        return {"leader": LEADER_NAME, "holder": self.holder}
 
     async def elect(self) -> bool:
         """Takes or renews the lease; returns whether this process leads now."""
@@ -232,7 +260,11 @@ class Leadership:
             return
         self._until = None
         try:
-            await self.database.fetch(RESIGN_SQL, {"name": LEADER_NAME, "holder": self.holder})
+            await self.database.fetch(
+                RESIGN_SQL,
+                {"name": LEADER_NAME, "holder": self.holder},
+                timeout=STOP_STATEMENT_SECONDS,
+            )
         except Exception as error:  # it lapses within the TTL anyway
             log.warning("leader: could not give the lease up (%s); it lapses on its own", error)
         else:
@@ -258,9 +290,6 @@ async def run(
     purge_due = loop.time() + PURGE_INTERVAL_SECONDS
     election_due = rescue_due = loop.time()
 
-    def leading() -> bool:
-        return leadership.leading
-
     waits = Waits(database, settings)
 
     while True:
@@ -278,10 +307,10 @@ async def run(
             rescue_due = loop.time() + interval
             try:
                 # A long backlog stops at the lease's end: one leader sweeps at a time.
-                if rescued := await rescue_lapsed_leases(database, signals, leading):
+                if rescued := await rescue_lapsed_leases(database, signals, leadership):
                     log.info("rescued %d tasks whose lease lapsed", rescued)
                 if leadership.leading and (
-                    expired := await expire_tasks(database, signals, settings, leading)
+                    expired := await expire_tasks(database, signals, settings, leadership)
                 ):
                     log.info("expired %d tasks", expired)
             except Exception as error:

@@ -289,7 +289,9 @@ async def _serve(
     await health_servicer.enter_graceful_shutdown()
     if status_server:
         await status_server.close()
+    handlers.stop()
     await server.stop(settings.shutdown_grace_seconds)
+    await handlers.hand_backs_done(housekeeping.STOP_STATEMENT_SECONDS)
     for job in background:
         job.cancel()
     await asyncio.gather(*background, return_exceptions=True)

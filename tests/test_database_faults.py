@@ -8,6 +8,7 @@ Every fault is done to a private Postgres (tests/private_postgres.py), never the
 from __future__ import annotations
 
 import asyncio
+import signal
 import threading
 import time
 import uuid
@@ -22,6 +23,7 @@ from grpc_health.v1 import health_pb2
 from generation.task.v1 import task_pb2, task_pb2_grpc
 from service.database import Database, connection_kwargs
 from service.errors import DatabaseUnavailable
+from service.housekeeping import STOP_STATEMENT_SECONDS
 from service.settings import Settings
 from tests.conftest import ServiceProcess, wait_for
 from tests.private_postgres import PrivatePostgres, private_postgres
@@ -205,6 +207,26 @@ def test_frozen_database_while_idle(faults: Faults) -> None:
     got = service.stub.GetTask(task_pb2.GetTaskRequest(task_id=task.id), timeout=5).task
     assert got.id == task.id
     assert service.stub.QueueTask(task_pb2.QueueTaskRequest(tool_id=tool_id), timeout=5).task.id
+
+
+def test_a_stop_with_the_database_frozen_ends_within_its_bounds(faults: Faults) -> None:
+    """What a stop writes (the leader's lease given up, this replica's overrides withdrawn)
+    waits STOP_STATEMENT_SECONDS at most on a frozen database: each lapses on its own. It
+    waited the pool's whole bound (17 s) each, past docker compose's 15 s stop (found in
+    review)."""
+    service = faults.serve(GENQ_DAILY_CAP_NANOS="1000")
+    new_tool(service)
+    wait_for(
+        lambda: "now runs the maintenance sweeps" in service.log_path.read_text(), 15, "a leader"
+    )
+    faults.cluster.freeze()
+    stopped = time.monotonic()
+    service.process.send_signal(signal.SIGTERM)
+    service.process.wait(timeout=60)
+    took = time.monotonic() - stopped
+    print(f"\nstop with the database frozen: exited after {took:.1f} s")
+    bound = 1 + 3 * STOP_STATEMENT_SECONDS + HEALTH_BOUND  # grace 1 s, each write, slack
+    assert took < bound, f"the stop took {took:.1f} s (bound {bound:.1f} s)"
 
 
 # Fault 7: SIGSTOP under load, longer than a call's deadline.

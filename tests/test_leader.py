@@ -17,6 +17,7 @@ import pytest
 from psycopg.rows import dict_row
 
 from generation.task.v1 import task_pb2
+from service import housekeeping
 from tests.conftest import Databases, ServiceProcess, url_for, wait_for
 
 TTL, RENEW = 2.0, 0.5
@@ -177,3 +178,46 @@ def test_another_replica_takes_over_from_a_dead_or_frozen_leader(
         task = replicas.lapsed_task(successor)
         wait_for(lambda: replicas.status(task) == "queued", what="the successor to rescue")
         assert rescues(leader) == before
+
+
+@pytest.mark.parametrize("sweep", ["rescue", "expiry"])
+def test_a_sweep_runs_only_under_a_lease_its_sender_holds(databases: Databases, sweep: str) -> None:
+    """A leader cut off from the database can send a sweep just before its lease ends; when the
+    link heals, the database runs it only if that lease still holds on its own clock (found in
+    review: a thawed leader rescued 200 tasks after another had taken over)."""
+    url = url_for(databases.create(f"fence_{uuid.uuid4().hex[:6]}"))
+    holder = uuid.uuid4()
+    params = {"batch": 1000, "disabled": False, "leader": "maintenance", "holder": holder}
+    statement = housekeeping.RESCUE_SQL if sweep == "rescue" else housekeeping.EXPIRE_SQL
+    with psycopg.connect(url, autocommit=True, row_factory=dict_row) as db:
+        tool = db.execute("INSERT INTO generation.tools (name) VALUES ('t') RETURNING id")
+        tool_id = tool.fetchone()["id"]  # type: ignore[index]
+        if sweep == "rescue":  # a lease that lapsed
+            db.execute(
+                "INSERT INTO generation.tasks (tool_id, status, lease_token, claim_expires_at) "
+                "VALUES (%s, 'processing', gen_random_uuid(), now() - interval '1 minute')",
+                [tool_id],
+            )
+        else:  # a task past its expiry
+            db.execute(
+                "INSERT INTO generation.tasks (tool_id, expires_at) "
+                "VALUES (%s, now() - interval '1 minute')",
+                [tool_id],
+            )
+        leases = [
+            (
+                "another's",
+                "INSERT INTO generation.leader (name, holder, expires_at) "
+                "VALUES ('maintenance', gen_random_uuid(), now() + interval '1 minute')",
+            ),
+            (
+                "its own, lapsed",
+                "UPDATE generation.leader SET holder = %(holder)s, "
+                "expires_at = now() - interval '1 second'",
+            ),
+        ]
+        for lease, change in leases:
+            db.execute(change, {"holder": holder})
+            assert db.execute(statement, params).fetchall() == [], lease
+        db.execute("UPDATE generation.leader SET expires_at = now() + interval '1 minute'")
+        assert len(db.execute(statement, params).fetchall()) == 1, "its own lease, running"

@@ -86,6 +86,36 @@ def test_sigterm_finishes_calls_in_flight_then_exits(database_url: str, tmp_path
     assert service.process.wait(timeout=30) == 0
 
 
+def test_sigterm_answers_parked_claims_at_once(database_url: str, tmp_path: Path) -> None:
+    """Claims parked with a long wait answer empty when the stop begins, as if their wait ran
+    out: they held the stop for its whole grace (10 s), then failed UNAVAILABLE (found in
+    review)."""
+    service = ServiceProcess(database_url, tmp_path / "serve.log")
+    tools = [new_tool(service) for _ in range(6)]
+    parked = []
+    for tool_id in tools:  # a tool each: its first claim notes the tool's poll, so it is seen
+        request = task_pb2.ClaimTasksRequest(tool_id=tool_id, limit=10)
+        request.wait.FromSeconds(30)
+        parked.append(service.stub.ClaimTasks.future(request, timeout=60))
+    with psycopg.connect(database_url, autocommit=True) as watcher:
+        wait_for(
+            lambda: watcher.execute(
+                "SELECT 1 FROM generation.tool_polls WHERE tool_id = ANY(%s::uuid[]) "
+                "HAVING count(*) = 6",
+                [tools],
+            ).fetchone(),
+            what="every claim to have asked once",
+        )
+    stopped = time.monotonic()
+    service.process.send_signal(signal.SIGTERM)
+    wait_for(lambda: all(call.done() for call in parked), timeout=8, what="the parked claims")
+    took = time.monotonic() - stopped
+    answers = [call.result() for call in parked]  # an error would raise here
+    assert all(not answer.tasks for answer in answers)
+    assert took < Settings().shutdown_grace_seconds - 2, f"answered {took:.1f} s after SIGTERM"
+    assert service.process.wait(timeout=30) == 0
+
+
 def test_database_down_is_unavailable_and_the_pool_recovers(
     databases: Databases, tmp_path: Path
 ) -> None:

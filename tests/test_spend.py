@@ -872,8 +872,8 @@ def test_expiry_is_suspended_while_the_switch_is_off(stub: Stub, sdb: Db) -> Non
     tool_id = new_tool(stub)
     stub.UpdateSettings(task_pb2.UpdateSettingsRequest(enabled=False))
     task = queue(stub, tool_id, ttl=duration_pb2.Duration(nanos=1_000_000))
-    sweep = {"batch": 1000, "disabled": False}
-    assert sdb.execute(housekeeping.EXPIRE_SQL, sweep).fetchall() == []
+    expired = sdb.execute("SELECT * FROM generation.expire_tasks_v1(1000, false)").fetchall()
+    assert expired == []
     assert task_row(sdb, task.id)["status"] == "queued", "a pause keeps its backlog"
     stub.UpdateSettings(task_pb2.UpdateSettingsRequest(enabled=True))
     wait_for(lambda: task_row(sdb, task.id)["status"] == "expired", what="the expiry sweep")
