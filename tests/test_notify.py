@@ -165,6 +165,8 @@ def test_a_process_skips_its_own_wakes_and_reconnects_a_lost_listener(own_url: s
             await asyncio.wait_for(signals._sender, 10)
             assert [w.done() for w in mine] == [True, False]
             marker = signals.tools.register("tool-y")
+            # A stranger's payload the listener cannot read wakes at most one, ends nothing.
+            await db.execute("SELECT pg_notify(%s, 'tool-w:²')", [WAKE_CHANNEL])
             await db.execute("SELECT pg_notify(%s, 'tool-y:1')", [WAKE_CHANNEL])
             await asyncio.wait_for(marker, 5)  # delivered after our own: that one was skipped
             assert not mine[1].done()
