@@ -248,9 +248,13 @@ def test_a_handler_falls_back_while_its_model_cools(service: ServiceProcess, db:
     assert not own.cooling
 
 
-def test_output_the_service_refuses_fails_the_task(service: ServiceProcess, db: Db) -> None:
-    """An output over the service's size limit can never be stored: the task fails at once
-    instead of being run (and paid for) again."""
+@pytest.mark.parametrize("size", [1_100_000, 5_000_000], ids=["over-output-limit", "over-4MiB"])
+def test_output_the_service_refuses_fails_the_task(
+    service: ServiceProcess, db: Db, size: int
+) -> None:
+    """An output over the service's size limit (INVALID_ARGUMENT), or over gRPC's message limit
+    (RESOURCE_EXHAUSTED: it was run again until its retries were used up, found in review), can
+    never be stored: the task fails at once instead of being run (and paid for) again."""
     name = tool_name()
     fleet = new_fleet(service)
     runs: Counter[str] = Counter()
@@ -258,7 +262,7 @@ def test_output_the_service_refuses_fails_the_task(service: ServiceProcess, db: 
     @fleet.tool(name)
     async def handler(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
         runs[task.id] += 1
-        return {"blob": "x" * 1_100_000}
+        return {"blob": "x" * size}
 
     with running(fleet):
         task_id = queue(service.stub, fleet.tool_ids[name])
@@ -377,7 +381,8 @@ def test_lost_lease_is_signalled_and_the_result_dropped(
     service: ServiceProcess, db: Db, noticed_by: str
 ) -> None:
     """Another claimer takes the task (its token replaces ours): the next heartbeat or event
-    publish hears LEASE_LOST, the handler sees ctx.lease_lost, and its result is dropped."""
+    publish hears LEASE_LOST, the handler sees ctx.lease_lost and is cancelled (it ran on for
+    nothing, holding its slot: found in review), and its result is dropped."""
     name = tool_name()
     heartbeat_interval = 0.2 if noticed_by == "heartbeat" else 60.0
     fleet = new_fleet(service, heartbeat_interval=heartbeat_interval)
@@ -388,11 +393,15 @@ def test_lost_lease_is_signalled_and_the_result_dropped(
     @fleet.tool(name)
     async def handler(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
         started.set()
-        assert await asyncio.to_thread(stolen.wait, 10)
-        if noticed_by == "publish":
-            await ctx.progress(0.9, "after the steal")
-        await asyncio.wait_for(ctx.lease_lost.wait(), 10)
-        seen.append(ctx.is_lease_lost)
+        try:
+            assert await asyncio.to_thread(stolen.wait, 10)
+            if noticed_by == "publish":
+                await ctx.progress(0.9, "after the steal")
+            await ctx.lease_lost.wait()  # bounded by the test's wait for `seen`
+            await asyncio.sleep(30)  # paid work going on: the fleet cancels it
+        except asyncio.CancelledError:
+            seen.append(ctx.is_lease_lost)
+            raise
         return {"dropped": "this"}
 
     with running(fleet):
@@ -956,7 +965,8 @@ def test_a_lease_lost_in_a_batch_reaches_only_its_task(
 ) -> None:
     """Three tasks beaten and completed in shared batches; another claimer takes the middle
     one. Its heartbeat is refused LEASE_LOST inside a HeartbeatTasks that the other two pass:
-    only its ctx.lease_lost is set, its result is dropped, and the other two complete."""
+    only its ctx.lease_lost is set (and its handler cancelled), its result is dropped, and the
+    other two complete."""
     name = tool_name()
     fleet = new_fleet(service, heartbeat_interval=0.3, report_delay=0.1)
     started: dict[int, TaskContext] = {}
@@ -967,7 +977,11 @@ def test_a_lease_lost_in_a_batch_reaches_only_its_task(
     async def handler(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
         n = int(ctx.input["n"])
         started[n] = ctx
-        assert await asyncio.to_thread(release.wait, 20)
+        try:
+            assert await asyncio.to_thread(release.wait, 20)
+        except asyncio.CancelledError:  # the stolen one: cancelled as its lease is lost
+            lost[n] = ctx.is_lease_lost
+            raise
         lost[n] = ctx.is_lease_lost
         return {"n": n}
 
@@ -1298,6 +1312,85 @@ def test_scripted_a_batch_that_fails_unavailable_is_retried_together() -> None:
         "CompleteTasks",
         "CompleteTasks",
     ]
+
+
+def test_scripted_a_claim_that_comes_in_after_the_drain_deadline_is_handed_back_unrun() -> None:
+    """A claim parked when the fleet stops brings a task after the drain's deadline: it is
+    confirmed (the beat may have committed) and released at once, its handler never started.
+    It was run, then released midway for another worker to run again (found in review)."""
+    client = ScriptedClient(ok())
+    parked, stopping = asyncio.Event(), asyncio.Event()
+    answer = client.call
+
+    async def late(method: str, request: Any, *, timeout: float | None = None) -> Any:
+        if method == "ClaimNextTask" and not client.claimed:
+            parked.set()
+            await stopping.wait()
+            await asyncio.sleep(0.3)  # past the drain's deadline (0.1 s)
+        return await answer(method, request, timeout=timeout)
+
+    client.call = late  # type: ignore[method-assign]
+    fleet = WorkerFleet(cast(GenqClient, client), poll_interval=0.05, drain_timeout=0.1)
+
+    async def handler(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
+        client.log.append("handler")
+        return {}
+
+    fleet.register("scripted", handler)
+
+    async def main() -> None:
+        work = asyncio.create_task(fleet.run(handle_signals=False))
+        await asyncio.wait_for(parked.wait(), 10)
+        fleet.stop()
+        stopping.set()
+        await asyncio.wait_for(work, 10)
+
+    asyncio.run(main())
+    assert [entry for entry in client.log if entry != "ClaimNextTask"] == [
+        "UpsertTool",
+        "HeartbeatTask",
+        "ReleaseTask",
+    ]
+
+
+def test_scripted_a_report_is_tried_until_its_lease_ends() -> None:
+    """CompleteTasks answers UNAVAILABLE five times (a service restarting, ~3 s): the reports
+    keep trying within their lease (30 s), batched again, and land. Four tries in 1.4 s gave
+    up, and the task's result was lost and the task run again (found in review)."""
+
+    def complete(n: int, request: Any) -> Any:
+        if n <= 5:
+            raise unavailable()
+        return task_pb2.CompleteTasksResponse(
+            results=[
+                task_pb2.ReportResult(
+                    task_id=item.task_id,
+                    task=task_pb2.Task(id=item.task_id, status=task_pb2.TASK_STATUS_COMPLETED),
+                )
+                for item in request.tasks
+            ]
+        )
+
+    client = BatchScriptedClient(2, complete)
+    fleet = WorkerFleet(cast(GenqClient, client), poll_interval=0.05, drain_timeout=1)
+
+    async def handler(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
+        return {"id": task.id}
+
+    fleet.register("batched", handler, concurrency=2)
+
+    async def main() -> None:
+        work = asyncio.create_task(fleet.run(handle_signals=False))
+        deadline = time.monotonic() + 15
+        while client.batches.count(("CompleteTasks", 2)) < 6:
+            assert time.monotonic() < deadline, client.batches
+            assert not work.done(), work
+            await asyncio.sleep(0.01)
+        fleet.stop()
+        await asyncio.wait_for(work, 10)
+
+    asyncio.run(main())
+    assert client.batches.count(("CompleteTasks", 2)) == 6, "tried until they landed, not after"
 
 
 def test_a_claim_of_large_inputs_is_taken_whole(

@@ -25,9 +25,15 @@ from generation.task.v1 import task_pb2_grpc
 from workers_sdk.errors import from_rpc_error
 
 DEFAULT_TARGET = "localhost:50051"
-CHANNEL_OPTIONS = (("grpc.max_receive_message_length", -1),)
+CHANNEL_OPTIONS = (
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.max_reconnect_backoff_ms", 5_000),
+)
 """No limit on an answer's size: the service bounds it (at most 100 claimed tasks, each input
-within GENQ_MAX_INPUT_BYTES), and an answer refused here would be lost after it committed."""
+within GENQ_MAX_INPUT_BYTES), and an answer refused here would be lost after it committed.
+Reconnects at least every 5 s: gRPC's own backoff grows to 120 s, and after an outage of a
+minute a channel went on failing calls for tens of seconds once the service was back, while the
+reports of finished tasks waited on it (found in review)."""
 
 
 @dataclass(frozen=True)

@@ -47,8 +47,9 @@ background task extends the lease every min(`heartbeat_interval`, lease / 3), re
 lease the last answer gave: two beats in a row may fail before the lease lapses, and a tool with
 a short lease is beaten often enough without tuning the fleet (an answer without `lease`, from
 an older service, leaves the beat at `heartbeat_interval`). When the service says the lease is
-gone (ABORTED, LEASE_LOST, from a heartbeat or an event publish), `ctx.lease_lost` is set: the
-handler may stop early, and whatever it returns or raises is dropped. Another worker owns the
+gone (ABORTED, LEASE_LOST, from a heartbeat or an event publish), `ctx.lease_lost` is set and
+an async handler is cancelled (a sync one sees the flag and may stop early); whatever it returns
+or raises is dropped. Another worker owns the
 task now; any write from here would be refused anyway.
 
 Confirmation. The service counts a claim as a run only once its worker confirms it (the first
@@ -132,8 +133,12 @@ AT_CAPACITY_BACKOFF_SECONDS = 0.25
 MAX_CLAIM_WAIT_SECONDS = 30.0
 """The longest `wait` the service accepts (GENQ_MAX_CLAIM_WAIT_SECONDS)."""
 
-REPORT_ATTEMPTS = 4
-"""Tries of a CompleteTask/FailTask answered UNAVAILABLE or out of time (REPORT_RETRIED_CODES)."""
+REPORT_RETRY_MAX_SECONDS = 1.0
+"""The longest pause between two tries of a report (CompleteTask, FailTask, ReleaseTask)
+answered UNAVAILABLE or out of time (REPORT_RETRIED_CODES): the first is 0.2 s, then doubled up
+to this. It is tried until the lease it holds ends (as the last beat told), not a fixed number
+of times: four tries in 1.4 s lost a finished task's result to a service restarting, and the
+task ran again (found in review)."""
 
 MAX_RESOURCE_KEY = 200
 """The longest resource key the service takes."""
@@ -189,7 +194,9 @@ class TaskContext:
         self.task = task
         self.lease_token = lease_token
         self.lease_lost = asyncio.Event()
-        """Set when the service says this worker no longer holds the task."""
+        """Set when the service says this worker no longer holds the task: another worker may
+        run it now. An async handler is cancelled right after (its result would be dropped, and
+        paid work went on for nothing, holding its slot; found in review)."""
         self.cancel_requested = asyncio.Event()
         """Set when a cancel of the task was asked for: stop; the run ends cancelled, and what
         it cost so far (`report_usage`) is recorded. An async handler is cancelled right after."""
@@ -199,6 +206,8 @@ class TaskContext:
         self._cost_nanos = 0
         self._details = struct_pb2.Struct()
         self._resource_key = ""
+        self._stop_handler: Callable[[], object] | None = None
+        """Cancels an async handler (set while one runs)."""
 
     @property
     def is_lease_lost(self) -> bool:
@@ -290,6 +299,8 @@ class TaskContext:
         if not self.lease_lost.is_set():
             log.warning("task %s: lease lost (%s); its result will be dropped", self.task.id, why)
             self.lease_lost.set()
+            if self._stop_handler is not None:
+                self._stop_handler()
 
     async def _publish(
         self, kind: task_pb2.TaskEventKind.ValueType, data: Mapping[str, Any]
@@ -338,6 +349,9 @@ class _Run:
     """Resolved by the drain when the deadline passes before the handler finishes."""
     lease: float | None = None
     """The lease's length in seconds, as the claim (then each heartbeat) gave it; None: unsaid."""
+    lease_until: float | None = None
+    """Loop time at which the lease ends, by the last beat's answer: how long a report is
+    worth trying (the service decides, on its clock; past this it can only refuse)."""
     task: asyncio.Task[None] | None = None
     """The asyncio task working it (`WorkerFleet._execute`)."""
     handler: asyncio.Task[Output] | None = None
@@ -559,6 +573,8 @@ class WorkerFleet:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_requested = False
         self._stopping = asyncio.Event()
+        self._drain_deadline: float | None = None
+        """Loop time by which the drain releases what is unfinished; set once it begins."""
         self.ready = asyncio.Event()
         """Set once every tool is registered and its poll loop runs."""
 
@@ -712,9 +728,13 @@ class WorkerFleet:
                 lane.tool_id = response.tool.id
                 break
 
+    def _past_drain_deadline(self) -> bool:
+        deadline = self._drain_deadline
+        return deadline is not None and asyncio.get_running_loop().time() >= deadline
+
     async def _drain(self, polls: list[asyncio.Task[None]]) -> None:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.drain_timeout
+        deadline = self._drain_deadline = loop.time() + self.drain_timeout
         # Each poll loop ends once its current claim answers (within its park time); a task it
         # brings back joins the ones in flight.
         await asyncio.gather(*polls)
@@ -863,6 +883,12 @@ class WorkerFleet:
             span.set_attribute("genq.confirmed", confirmed)
             if not confirmed:
                 return
+            if self._past_drain_deadline():
+                # The drain's deadline passed while the claim came in (a claim parked at the
+                # stop) or was confirmed: hand it back unrun rather than run it and release it
+                # midway, for another worker to run again (found in review).
+                await self._release(run)
+                return
             if run.ctx.is_cancel_requested:
                 # Cancelled before it started: nothing ran, nothing to bill.
                 span.set_attribute("genq.cancelled", True)
@@ -873,6 +899,8 @@ class WorkerFleet:
             loop = asyncio.get_running_loop()
             beat = loop.call_later(self._beat_interval(run), self._start_heartbeat, run)
             handler = run.handler = asyncio.create_task(self._handle(run))
+            if not run.lane.runs_in_thread:  # a thread cannot be interrupted: it sees the flag
+                run.ctx._stop_handler = handler.cancel
             try:
                 either: list[asyncio.Future[Any]] = [handler, run.abandoned]
                 await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
@@ -987,6 +1015,7 @@ class WorkerFleet:
     def _beaten(self, run: _Run, response: task_pb2.HeartbeatTaskResponse) -> None:
         """Takes in a heartbeat's answer: the lease's length, and a cancel request."""
         run.lease = _lease_seconds(response) or run.lease
+        run.lease_until = asyncio.get_running_loop().time() + (run.lease or MIN_LEASE_SECONDS)
         if not response.cancel_requested or not run.ctx._request_cancel():
             return
         # A thread cannot be interrupted: a sync handler sees ctx.cancel_requested and returns,
@@ -1046,9 +1075,10 @@ class WorkerFleet:
             resource_key=ctx.used_resource,
         )
         refused = await self._report(run, "complete", request)
-        if refused is not None and refused.code == grpc.StatusCode.INVALID_ARGUMENT:
-            # The service refuses this output (too large, say): running again would pay for
-            # the same refusal, so the task fails now.
+        if refused is not None and refused.code in SPLIT_CODES:
+            # The service refuses this output (over its limit: INVALID_ARGUMENT; over gRPC's
+            # message limit: RESOURCE_EXHAUSTED): running again would pay for the same refusal,
+            # so the task fails now.
             error_text = f"CompleteTask refused the result: {refused}"
             failure = _fail_request(ctx, error_text, task_pb2.FAILURE_KIND_PERMANENT)
             await self._report(run, "fail", failure)
@@ -1088,8 +1118,11 @@ class WorkerFleet:
         method = type(request).__name__.removesuffix("Request")
         ctx = run.ctx
         batcher = self._reports.get(method)
+        loop = asyncio.get_running_loop()
+        give_up = run.lease_until or loop.time() + (run.lease or MIN_LEASE_SECONDS)
         with self._span(f"{what} {run.lane.name}"):
-            for attempt in range(REPORT_ATTEMPTS):
+            attempt = 0
+            while True:
                 try:
                     if batcher is None:
                         response = await self.client.call(method, request)
@@ -1107,17 +1140,31 @@ class WorkerFleet:
                         return error
                     # A report repeated under its lease gets the same answer, so one whose answer
                     # did not come in time is as safe to send again as one refused UNAVAILABLE.
-                    if error.code not in REPORT_RETRIED_CODES or attempt + 1 == REPORT_ATTEMPTS:
-                        log.error("task %s: %s failed: %s", ctx.task.id, method, error)
+                    pause = min(REPORT_RETRY_MAX_SECONDS, 0.2 * 2**attempt)
+                    if error.code not in REPORT_RETRIED_CODES or loop.time() + pause >= give_up:
+                        log.error(
+                            "task %s: %s failed: %s (if it did not commit, the lease lapses and "
+                            "the task runs again)",
+                            ctx.task.id,
+                            method,
+                            error,
+                        )
                         return error
-                    await asyncio.sleep(0.2 * 2**attempt)
+                    if attempt == 0:
+                        log.warning(
+                            "task %s: %s failed: %s; trying again until its lease ends",
+                            ctx.task.id,
+                            method,
+                            error,
+                        )
+                    attempt += 1
+                    await asyncio.sleep(pause)
                     continue
                 if response.task.status == task_pb2.TASK_STATUS_CANCELLED:
                     # A cancel was asked for while the task ran: whatever was reported, the run
                     # ended cancelled, with its cost.
                     log.info("task %s: cancelled while running; cost recorded", ctx.task.id)
                 return None
-        raise AssertionError("unreachable")
 
 
 def _fail_request(
