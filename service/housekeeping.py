@@ -345,7 +345,8 @@ class Wait:
     """Queued tasks held by one thing only an operator changes."""
 
     reason: str
-    """What holds them: disabled, paused, no_cap, zero_cap, cap_spent, tool_cap_spent."""
+    """What holds them: disabled, paused, no_cap, zero_cap, cap_spent, tool_cap_spent, or
+    over_cap (one task of each tool at least: the claim passes over it, the others run)."""
     tools: list[str]
     tasks: int
     why: str
@@ -460,9 +461,16 @@ def waits(status: task_pb2.Status) -> list[Wait]:
                 tool,
             )
         elif over := over_cap(tool, settings):
-            hold("over_cap", "a task's estimate exceeds the daily cap in force", over, tool)
+            why = "each is estimated above the daily cap in force (passed over; the others run)"
+            hold("over_cap", why, over, tool)
     return [
-        Wait(reason, [t.name for t in tools], sum(t.queued for t in tools), why, "; ".join(fixes))
+        Wait(
+            reason,
+            [t.name for t in tools],
+            len(tools) if reason == "over_cap" else sum(t.queued for t in tools),
+            why,
+            "; ".join(fixes),
+        )
         for reason, (why, fixes, tools) in held.items()
     ]
 

@@ -319,9 +319,10 @@ class Signals:
         if notify.pid == self._notifier_pid:
             return  # sent by this process, whose parked claims were woken in-process
         # Any user of the database may NOTIFY on the channel: a payload this did not send wakes
-        # one waiter at most, never ends the listener (isdigit() passes "²", which int() fails).
+        # one waiter at most, never ends the listener (isdigit() passes "²", and int() refuses
+        # more than 4,300 digits).
         tool_id, _, count = notify.payload.partition(":")
-        self.tools.notify(tool_id, int(count) if count.isdecimal() else 1)
+        self.tools.notify(tool_id, int(count) if count.isdecimal() and len(count) <= 6 else 1)
 
     async def _listen_postgres(self) -> None:
         assert self._database_url is not None

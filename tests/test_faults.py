@@ -336,6 +336,15 @@ def test_a_requeue_sent_again_with_its_key_does_not_run_the_task_twice(
     assert_invariants(db, tool_id, [made.task.id])
 
 
+def test_a_task_keeps_its_last_16_requeue_keys(stub: Stub, db: Db, tool_id: str) -> None:
+    """A task requeued every night must not grow its row without end (found in review)."""
+    made = stub.QueueTask(requeue_request(tool_id, "k0"))
+    for n in range(1, 18):
+        run_and_settle(stub, tool_id, made.task.id)
+        assert stub.QueueTask(requeue_request(tool_id, f"k{n}")).requeued_now
+    assert row(db, made.task.id)["requeue_keys"] == [f"k{n}" for n in range(2, 18)]
+
+
 def test_a_requeue_racing_its_own_resend_queues_the_task_once(
     stub: Stub, db: Db, database_url: str, tool_id: str
 ) -> None:

@@ -1393,6 +1393,37 @@ def test_scripted_a_report_is_tried_until_its_lease_ends() -> None:
     assert client.batches.count(("CompleteTasks", 2)) == 6, "tried until they landed, not after"
 
 
+def test_scripted_a_stop_with_the_service_down_ends_soon_after_the_drain_deadline() -> None:
+    """Reports that cannot get through are tried until their lease ends (30 s here), but a
+    stop ends DRAIN_REPORT_SECONDS after the drain's deadline: it waited the whole lease (120 s
+    with the service's default; found in review)."""
+
+    def complete(n: int, request: Any) -> Any:
+        raise unavailable()
+
+    client = BatchScriptedClient(2, complete)
+    fleet = WorkerFleet(cast(GenqClient, client), poll_interval=0.05, drain_timeout=0.2)
+
+    async def handler(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
+        return {"id": task.id}
+
+    fleet.register("batched", handler, concurrency=2)
+
+    async def main() -> float:
+        work = asyncio.create_task(fleet.run(handle_signals=False))
+        deadline = time.monotonic() + 10
+        while ("CompleteTasks", 2) not in client.batches:
+            assert time.monotonic() < deadline, client.batches
+            await asyncio.sleep(0.01)
+        stopped = time.monotonic()
+        fleet.stop()
+        await asyncio.wait_for(work, 30)
+        return time.monotonic() - stopped
+
+    took = asyncio.run(main())
+    assert took < 0.2 + fleet_module.DRAIN_REPORT_SECONDS + 2, f"the stop took {took:.1f} s"
+
+
 def test_a_claim_of_large_inputs_is_taken_whole(
     service: ServiceProcess, db: Db, counting: list[CountingClient]
 ) -> None:

@@ -167,6 +167,7 @@ def test_a_process_skips_its_own_wakes_and_reconnects_a_lost_listener(own_url: s
             marker = signals.tools.register("tool-y")
             # A stranger's payload the listener cannot read wakes at most one, ends nothing.
             await db.execute("SELECT pg_notify(%s, 'tool-w:²')", [WAKE_CHANNEL])
+            await db.execute("SELECT pg_notify(%s, 'tool-w:' || repeat('9', 4301))", [WAKE_CHANNEL])
             await db.execute("SELECT pg_notify(%s, 'tool-y:1')", [WAKE_CHANNEL])
             await asyncio.wait_for(marker, 5)  # delivered after our own: that one was skipped
             assert not mine[1].done()

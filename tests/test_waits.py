@@ -99,12 +99,13 @@ def test_each_wait_names_its_command() -> None:
 def test_a_task_estimated_above_the_cap_in_force_is_named_with_its_fix() -> None:
     capped = {"daily_cap_nanos": str(10 * UNIT)}
     tools = [
-        tool("big", largest_queued_estimate_nanos=str(12 * UNIT)),
+        tool("big", queued=1_000, largest_queued_estimate_nanos=str(12 * UNIT)),
         tool("own", daily_cap_nanos=str(UNIT), largest_queued_estimate_nanos=str(2 * UNIT)),
         tool("fits", largest_queued_estimate_nanos=str(10 * UNIT)),
     ]
     found = waits(status(tools, **capped))
-    assert said(found) == {"over_cap": (["big", "own"], 2)}
+    assert said(found) == {"over_cap": (["big", "own"], 2)}, "one task each, not the 1,000"
+    assert str(found[0]).startswith("2 queued tasks (tools big, own) wait: each is estimated")
     assert found[0].fix == (
         "`genq cap N` with N at least 12.00, or cancel that task; "
         "`genq cap N --tool own` with N at least 2.00, or cancel that task"

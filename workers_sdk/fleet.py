@@ -145,6 +145,10 @@ MAX_RESOURCE_KEY = 200
 MIN_LEASE_SECONDS = 10.0
 """The shortest lease the service grants; assumed when a claim's answer does not say."""
 
+DRAIN_REPORT_SECONDS = 5.0
+"""How long past the drain's deadline a report still being tried may go on: a stop ends within
+`drain_timeout` plus this."""
+
 CONFIRM_ATTEMPTS = 3
 """Tries of the HeartbeatTask that confirms a claim, when it answers UNAVAILABLE or times out."""
 
@@ -728,6 +732,14 @@ class WorkerFleet:
                 lane.tool_id = response.tool.id
                 break
 
+    def _report_deadline(self) -> float:
+        """How long a failing report may go on being tried, beyond its lease: once the drain
+        began, DRAIN_REPORT_SECONDS past its deadline (a stop with the service down waited the
+        whole lease, 120 s; found in review)."""
+        if self._drain_deadline is None:
+            return float("inf")
+        return self._drain_deadline + DRAIN_REPORT_SECONDS
+
     def _past_drain_deadline(self) -> bool:
         deadline = self._drain_deadline
         return deadline is not None and asyncio.get_running_loop().time() >= deadline
@@ -742,8 +754,9 @@ class WorkerFleet:
         if working:
             await asyncio.wait(working, timeout=max(0.0, deadline - loop.time()))
         unfinished = [run for lane in self._lanes.values() for run in lane.runs]
+        if running := sum(run.holds_slot for run in unfinished):  # not those only reporting
+            log.warning("drain timeout: releasing %d unfinished tasks", running)
         if unfinished:
-            log.warning("drain timeout: releasing %d unfinished tasks", len(unfinished))
             for run in unfinished:
                 if not run.abandoned.done():
                     run.abandoned.set_result(None)
@@ -1141,7 +1154,9 @@ class WorkerFleet:
                     # A report repeated under its lease gets the same answer, so one whose answer
                     # did not come in time is as safe to send again as one refused UNAVAILABLE.
                     pause = min(REPORT_RETRY_MAX_SECONDS, 0.2 * 2**attempt)
-                    if error.code not in REPORT_RETRIED_CODES or loop.time() + pause >= give_up:
+                    if error.code not in REPORT_RETRIED_CODES or loop.time() + pause >= min(
+                        give_up, self._report_deadline()
+                    ):
                         log.error(
                             "task %s: %s failed: %s (if it did not commit, the lease lapses and "
                             "the task runs again)",

@@ -648,9 +648,9 @@ class QueueTaskRequest(_message.Message):
     requeue_key: _builtins.str
     """With on_conflict REQUEUE, makes the requeue idempotent (up to 512 characters): it is kept on
     the task (and written into the `requeued` event), and a REQUEUE with a key the task holds
-    already, from the call that created it or one that queued it again, changes nothing and
-    answers the task as it is now. Send the same key again when an answer was lost; a new one
-    to run the task once more.
+    already, from the call that created it or one of the last 15 that queued it again, changes
+    nothing and answers the task as it is now. Send the same key again when an answer was lost;
+    a new one to run the task once more.
     """
     @_builtins.property
     def input(self) -> _struct_pb2.Struct: ...
@@ -752,8 +752,10 @@ class QueueTasksResponse(_message.Message):
     @_builtins.property
     def existing(self) -> _containers.RepeatedCompositeFieldContainer[Global___Task]:
         """The tasks of the skipped items, in request order, in brief: id, tool_id, status and
-        idempotency_key (GetTask reads the whole row). A key a concurrent call committed while this
-        one ran is skipped without its task here, so this may hold fewer than `skipped`.
+        idempotency_key (GetTask reads the whole row). Two items of this call with one key: the
+        second is skipped, and its task is the first's, in `tasks`. A key a concurrent call
+        committed while this one ran is skipped without its task here. So this may hold fewer than
+        `skipped`.
         """
 
     def __init__(
