@@ -49,8 +49,8 @@ a short lease is beaten often enough without tuning the fleet (an answer without
 an older service, leaves the beat at `heartbeat_interval`). When the service says the lease is
 gone (ABORTED, LEASE_LOST, from a heartbeat or an event publish), `ctx.lease_lost` is set and
 an async handler is cancelled (a sync one sees the flag and may stop early); whatever it returns
-or raises is dropped. Another worker owns the
-task now; any write from here would be refused anyway.
+or raises is dropped. Another worker owns the task now; any write from here would be refused
+anyway.
 
 Confirmation. The service counts a claim as a run only once its worker confirms it (the first
 heartbeat, event or report under the lease): a lease that lapses unconfirmed means the claim's

@@ -251,9 +251,10 @@ class GenerationDataServiceServicer:
     def QueueTasks(self, request, context):
         """Enqueues many tasks of one tool in one statement. Items whose idempotency_key is already
         used are skipped; their tasks are answered apart, in brief (`existing`), so a call sent
-        again after a lost answer learns what the first one created. Each created task is answered with what the
-        service set, not with what the request sent (see QueueTasksResponse.tasks): a thousand whole
-        rows, inputs included, cost more to return and convert than to insert. The statement answers
+        again after a lost answer learns what the first one created. Each created task is answered
+        with what the service set, not with what the request sent (see QueueTasksResponse.tasks): a
+        thousand whole rows, inputs included, cost more to return and convert than to insert. The
+        statement answers
         one row per shape (the columns its tasks share: one now() for created_at, and for run_at and
         expires_at unless an item set them), with the ids, keys and item positions of its tasks as
         arrays: a thousand rows of three timestamps each took the service longer to read than the

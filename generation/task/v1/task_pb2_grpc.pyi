@@ -61,9 +61,10 @@ class GenerationDataServiceStub:
     QueueTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.QueueTasksRequest, _task_pb2.QueueTasksResponse]
     """Enqueues many tasks of one tool in one statement. Items whose idempotency_key is already
     used are skipped; their tasks are answered apart, in brief (`existing`), so a call sent
-    again after a lost answer learns what the first one created. Each created task is answered with what the
-    service set, not with what the request sent (see QueueTasksResponse.tasks): a thousand whole
-    rows, inputs included, cost more to return and convert than to insert. The statement answers
+    again after a lost answer learns what the first one created. Each created task is answered
+    with what the service set, not with what the request sent (see QueueTasksResponse.tasks): a
+    thousand whole rows, inputs included, cost more to return and convert than to insert. The
+    statement answers
     one row per shape (the columns its tasks share: one now() for created_at, and for run_at and
     expires_at unless an item set them), with the ids, keys and item positions of its tasks as
     arrays: a thousand rows of three timestamps each took the service longer to read than the
@@ -263,9 +264,10 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     QueueTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.QueueTasksRequest, _task_pb2.QueueTasksResponse]  # type: ignore[assignment]
     """Enqueues many tasks of one tool in one statement. Items whose idempotency_key is already
     used are skipped; their tasks are answered apart, in brief (`existing`), so a call sent
-    again after a lost answer learns what the first one created. Each created task is answered with what the
-    service set, not with what the request sent (see QueueTasksResponse.tasks): a thousand whole
-    rows, inputs included, cost more to return and convert than to insert. The statement answers
+    again after a lost answer learns what the first one created. Each created task is answered
+    with what the service set, not with what the request sent (see QueueTasksResponse.tasks): a
+    thousand whole rows, inputs included, cost more to return and convert than to insert. The
+    statement answers
     one row per shape (the columns its tasks share: one now() for created_at, and for run_at and
     expires_at unless an item set them), with the ids, keys and item positions of its tasks as
     arrays: a thousand rows of three timestamps each took the service longer to read than the
@@ -480,9 +482,10 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_task_pb2.QueueTasksResponse, _abc.Awaitable[_task_pb2.QueueTasksResponse]]:
         """Enqueues many tasks of one tool in one statement. Items whose idempotency_key is already
         used are skipped; their tasks are answered apart, in brief (`existing`), so a call sent
-        again after a lost answer learns what the first one created. Each created task is answered with what the
-        service set, not with what the request sent (see QueueTasksResponse.tasks): a thousand whole
-        rows, inputs included, cost more to return and convert than to insert. The statement answers
+        again after a lost answer learns what the first one created. Each created task is answered
+        with what the service set, not with what the request sent (see QueueTasksResponse.tasks): a
+        thousand whole rows, inputs included, cost more to return and convert than to insert. The
+        statement answers
         one row per shape (the columns its tasks share: one now() for created_at, and for run_at and
         expires_at unless an item set them), with the ids, keys and item positions of its tasks as
         arrays: a thousand rows of three timestamps each took the service longer to read than the
