@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
@@ -602,11 +603,16 @@ def test_a_completion_that_waited_behind_its_lease_refused_as_lost_leaves_that_c
     lapsed (standing for a statement held up between its start and the task's lock), and a
     report after the lapse, which closes the attempt `lease_lost` with its cost while the task
     stays processing. The completion waits for it, then ends the run as complete_task_v2 does:
-    the attempt stays closed as the refusal closed it, not closed again (alembic 0018)."""
+    the attempt stays closed as the refusal closed it, not closed again (alembic 0018). The
+    service's rescuer is held off: it would hand the lapsed, unconfirmed lease back first."""
     task = queue(stub, tool_id)
     lease = claim(stub, tool_id).lease_token
     call = "SELECT x.task_found FROM generation.complete_task_v3(%s, %s, '{}', '{}', %s, NULL) AS x"
-    with psycopg.connect(database_url) as early, psycopg.connect(database_url) as late:
+    with (
+        rescuer_held_off(db),
+        psycopg.connect(database_url) as early,
+        psycopg.connect(database_url) as late,
+    ):
         began = early.execute("SELECT now()").fetchone()  # its transaction's time
         assert began is not None
         db.execute(  # the lease lapses just after it: held at the completion's time, not later
@@ -632,6 +638,23 @@ def test_a_completion_that_waited_behind_its_lease_refused_as_lost_leaves_that_c
         "SELECT outcome::text, cost_nanos FROM generation.attempts WHERE task_id = %s", [task.id]
     ).fetchall()
     assert ledger == [{"outcome": "lease_lost", "cost_nanos": 7}], "closed once, by the refusal"
+
+
+@contextmanager
+def rescuer_held_off(db: Db) -> Iterator[None]:
+    """Another holder takes the maintenance lease for a minute: the service's sweeps run only
+    under its own lease (housekeeping.LEADING), so none rescues meanwhile. At the end the row
+    goes, and the service leads again at its next try."""
+    db.execute(
+        "INSERT INTO generation.leader (name, holder, expires_at) "
+        "VALUES ('maintenance', gen_random_uuid(), now() + interval '1 minute') "
+        "ON CONFLICT (name) DO UPDATE "
+        "SET holder = EXCLUDED.holder, expires_at = EXCLUDED.expires_at"
+    )
+    try:
+        yield
+    finally:
+        db.execute("DELETE FROM generation.leader WHERE name = 'maintenance'")
 
 
 def waiting_on_lock(db: Db, function: str) -> int:
