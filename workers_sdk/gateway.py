@@ -79,8 +79,9 @@ class Enqueued:
     existing: list[task_pb2.Task] = field(default_factory=list)
     """The tasks of the skipped items, in item order, in brief (id, tool_id, status,
     idempotency_key; `get` reads one whole): after a lost answer, sending the items again with
-    their keys answers what the lost call created here. A key another call committed while
-    this one ran is skipped without its task here."""
+    their keys answers what the lost call created here. An item whose key an earlier item of
+    the same call used is skipped with its task among `tasks`, not here; a key another call
+    committed while this one ran is skipped without its task here."""
 
 
 REFUSED_CODES = frozenset(
