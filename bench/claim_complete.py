@@ -6,8 +6,8 @@ In one run, on a database of its own (dropped at the end):
 
 1. grpc: the real service (`python -m service serve`, a subprocess) and K concurrent client loops,
    each doing ClaimNextTask(tool) then CompleteTask(task_id, lease_token), one task per call.
-2. raw: the very statements the service runs (`service.rpcs.STATEMENTS`), bound with the very
-   parameters the service binds (`service.rpcs.BINDINGS`), straight through psycopg: K
+2. raw: the very statements the service runs (`service.api.rpcs.STATEMENTS`), bound with the very
+   parameters the service binds (`service.api.rpcs.BINDINGS`), straight through psycopg: K
    connections, autocommit, prepared statements, the session settings of the service's pool.
 3. pgbench (if installed): the same two statements from pgbench, in C, as the guide's bar
    names it (`-M prepared`, same client count); tells how much the Python client costs in 2.
@@ -68,7 +68,7 @@ from psycopg.types.json import Jsonb
 
 from generation.task.v1 import task_pb2
 from service import migrations
-from service.rpcs import BINDINGS, STATEMENTS
+from service.api.rpcs import BINDINGS, STATEMENTS
 from service.settings import Settings
 
 try:

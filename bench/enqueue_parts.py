@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 from bench.claim_complete import TOOL_IDS, bench_database
 from generation.task.v1 import task_pb2
-from service.rpcs import BINDINGS, STATEMENTS
+from service.api.rpcs import BINDINGS, STATEMENTS
 from service.settings import Settings
 from workers_sdk import gateway
 

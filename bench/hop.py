@@ -35,9 +35,9 @@ from psycopg_pool import AsyncConnectionPool
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script
 
+from service.api.messages import Row
+from service.api.rpcs import BINDINGS, SERVICE, STATEMENTS
 from service.database import Database
-from service.messages import Row
-from service.rpcs import BINDINGS, SERVICE, STATEMENTS
 from service.settings import Settings
 
 

@@ -17,7 +17,7 @@ its session settings jit=off and the service's statement_timeout for all three):
    index idx_gen_tasks_queue (tool_id, status DESC, priority DESC, created_at ASC) WHERE status
    IN ('queued', 'processing'). Seed A gives the columns, the enum and the index, not the DDL
    text: SPEC_DDL below is written from them.
-2. service: the service's ClaimNextTask and CompleteTask statements (service.rpcs.STATEMENTS)
+2. service: the service's ClaimNextTask and CompleteTask statements (service.api.rpcs.STATEMENTS)
    bound as the service binds them (bench/claim_complete.py's `pgbench_script`), unpaid: no cost
    estimate on the tools, cost_nanos 0 on every completion, on the service's schema
    (proto/generation/task/v1/schema.sql, migrated with service.migrations, a global daily cap no

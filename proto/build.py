@@ -1,15 +1,18 @@
 """Generate the Python stubs of proto/ into generation/, or check that the committed ones match.
 
-    python proto/build.py generate   # after editing a .proto
+    python proto/build.py generate   # after editing a .proto or a .sql
     python proto/build.py check      # fails when generation/ drifts from proto/ (CI runs it)
 
 The stubs are committed so that a worker host needs no protoc; nobody edits them by hand. Beside
 protoc's, `generation/task/v1/reasons.py` holds the error reasons of task.proto's `ErrorReason`
-as a typed StrEnum, so that the service and the SDK share the one declaration.
+as a typed StrEnum, so that the service and the SDK share the one declaration, and every .sql
+file of proto/ is copied to the same place under generation/: the package data an installed
+genq reads `schema.sql` from (alembic/versions/0001_baseline.py).
 """
 
 import filecmp
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -53,6 +56,8 @@ def generate(out: Path) -> None:
     (out / "generation" / "task" / "v1" / "reasons.py").write_text(
         reasons(next(f for f in files if f.name == "generation/task/v1/task.proto"))
     )
+    for sql in PROTO.rglob("*.sql"):
+        shutil.copyfile(sql, out / sql.relative_to(PROTO))
 
 
 def reasons(proto: descriptor_pb2.FileDescriptorProto) -> str:
@@ -107,9 +112,9 @@ def main() -> int:
             generate(Path(tmp))
             drift = differences(Path(tmp) / "generation", OUT)
         if drift:
-            print("generated stubs drift from proto/; run `make proto`:", *drift, sep="\n  ")
+            print("generated files drift from proto/; run `make proto`:", *drift, sep="\n  ")
             return 1
-        print("generated stubs match proto/")
+        print("generated files match proto/")
         return 0
     print(__doc__)
     return 2

@@ -1,6 +1,7 @@
 """The service's own `genq` commands: serve, migrate and token, which run where the database
-credentials are. The operators' commands (gRPC clients) are in the SDK, workers_sdk/cli/, and
-the program that joins both is workers_sdk/cli/program.py.
+credentials are. The operators' commands (gRPC clients) are in the SDK, workers_sdk/cli/; the
+program there adds this module's COMMANDS through the `genq.commands` entry point
+(pyproject.toml), so neither imports the other.
 
 This module imports only where the service's libraries are installed (`genq[service]`): on an
 SDK-only install it raises ImportError and `genq` offers the operators' commands alone, with a
@@ -13,16 +14,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
 
-from service import cli_format as show
 from service.settings import Settings
-from workers_sdk.cli.command import DONE, USAGE, Command, CommandError, UsageError, arg, flag
-from workers_sdk.cli.program import main, parser
-from workers_sdk.cli.values import span
-
-__all__ = ["COMMANDS", "USAGE", "main", "parser"]
-"""COMMANDS for the program; `main` and `parser` (the whole program) for `python -m service`,
-and USAGE for the tests of these commands."""
+from workers_sdk.commands import DONE, Command, CommandError, UsageError, arg, flag, table
 
 
 def _require(*libraries: str) -> None:
@@ -47,7 +44,8 @@ def _database_url(settings: Settings) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from service import migrations, server
+    from service import migrations
+    from service.api import server
 
     settings = Settings.from_env()
     server.check(settings)
@@ -96,7 +94,7 @@ def cmd_token(args: argparse.Namespace) -> int:
         print(f"roles {', '.join(sorted(set(args.role)))} on {scope}; shown once, keep it secret:")
         print(token)
     elif args.action == "list":
-        print(show.tokens(tokens.list_all(url)))
+        print(token_table(tokens.list_all(url)))
     else:
         if not args.token:
             raise UsageError("token revoke needs the token's ID, or the token")
@@ -105,6 +103,52 @@ def cmd_token(args: argparse.Namespace) -> int:
             raise CommandError(f"no token {args.token!r}")
         print(f"revoked token {revoked.id}; every replica refuses it within 30 s")
     return DONE
+
+
+def token_table(values: Sequence[Any]) -> str:
+    """`genq token list`: service.tokens.Token rows, secrets never (only their hash is kept)."""
+    if not values:
+        return "no tokens"
+
+    def moment_of(value: datetime | None) -> str:
+        return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ") if value else "-"
+
+    return table(
+        ("ID", "ROLES", "TOOLS", "CREATED", "EXPIRES", "REVOKED", "NOTE"),
+        (
+            (
+                value.id,
+                ",".join(value.roles),
+                ",".join(value.tools) or "(all)",
+                moment_of(value.created_at),
+                moment_of(value.expires_at),
+                moment_of(value.revoked_at),
+                value.note,
+            )
+            for value in values
+        ),
+    )
+
+
+SPAN_UNITS = {"s": 1, "m": 60, "h": 3_600, "d": 86_400}
+MAX_SPAN_SECONDS = 100 * 365 * 86_400
+"""A century: longer is surely a typo, and far longer overflows the dates it is added to."""
+
+
+def span(value: str) -> int:
+    """A duration in seconds from 90, 90s, 15m, 12h or 30d (`genq token create --expires`)."""
+    number, unit = (value[:-1], value[-1]) if value[-1:] in SPAN_UNITS else (value, "s")
+    try:
+        seconds = int(number) * SPAN_UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a duration (90s, 15m, 12h, 30d): {value!r}"
+        ) from None
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"must be above 0: {value!r}")
+    if seconds > MAX_SPAN_SECONDS:
+        raise argparse.ArgumentTypeError(f"must be at most 100 years: {value!r}")
+    return seconds
 
 
 def _roles() -> tuple[str, ...]:

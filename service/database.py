@@ -16,12 +16,16 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg.pq import ExecStatus, TransactionStatus
 from psycopg.rows import dict_row
 
-from service.errors import DatabaseUnavailable, from_database
-from service.messages import Row
+from service.api.errors import DatabaseUnavailable, from_database
+from service.api.messages import Row
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
 
+STOP_STATEMENT_SECONDS = 2.0
+"""The bound on what a stop writes (giving the leader lease up, withdrawing overrides) and on the
+hand-backs it waits for: each lapses or ages out on its own, and a frozen database must not hold
+a stop for the pool's whole bound (17 s)."""
 KEEPALIVE_PROBES = 3
 DEADLOCK_RETRIES = 3
 """Runs again of a statement Postgres rolled back to break a deadlock, before the caller sees

@@ -68,6 +68,10 @@ class Settings:
     lease_seconds: int = 120
     """GENQ_LEASE_SECONDS (120): lease length set by a claim and by each heartbeat."""
 
+    min_lease_seconds: int = 10
+    """GENQ_MIN_LEASE_SECONDS (10): the shortest `lease_seconds` ConfigureTool takes for a tool.
+    A shorter lease cannot outlive one slow heartbeat (the SDK beats every third of it)."""
+
     rescue_interval_seconds: float = 1.0
     """GENQ_RESCUE_INTERVAL_SECONDS (1): how often the maintenance leader hands lapsed leases back
     to the queue and expires tasks past their TTL."""
@@ -126,6 +130,11 @@ class Settings:
     tls_client_ca_file: str | None = None
     """GENQ_TLS_CLIENT_CA_FILE (unset): mutual TLS; every client of either port must present a
     certificate signed by one of these PEM CA certificates. Needs GENQ_TLS_CERT_FILE."""
+
+    token_cache_seconds: float = 15.0
+    """GENQ_TOKEN_CACHE_SECONDS (15): how long a process trusts a token it looked up without
+    asking the database again, so a revocation (or an expiry) reaches every replica within this
+    long; `genq token revoke` promises 30 s."""
 
     auth: str = "optional"
     """GENQ_AUTH (optional): `required` makes a valid token (`authorization: Bearer`) mandatory

@@ -2,7 +2,7 @@
 
 A token reads `genq_<id>_<secret>`: the id (32 hex digits, the row's uuid) finds the row, and
 only the SHA-256 of the secret is stored, so the table (or a backup of it) holds no credential;
-the service compares hashes in constant time (service/auth.py). The commands run on the
+the service compares hashes in constant time (service/api/auth.py). The commands run on the
 service host with the database URL, like `genq migrate`: tokens are made where the
 credentials already are, never over the API a token guards. Each command writes an audit row
 in its own transaction.

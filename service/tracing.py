@@ -1,7 +1,7 @@
 """Where the service's spans go: the OpenTelemetry SDK configured from the standard `OTEL_*`
 environment variables, once per service process, when it starts (`configure`).
 
-The spans themselves are opened by the handlers (service/handlers.py, one server span per call,
+The spans themselves are opened by the handlers (service/api/handlers.py, one server span per call,
 child of the caller's `traceparent`) through the global tracer provider. This module only
 decides whether that provider is a real one, and where it exports:
 

@@ -21,9 +21,9 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from generation.task.v1 import task_pb2, task_pb2_grpc
-from service import errors
+from service.api import errors
+from service.api.validation import MAX_AMOUNT, MAX_DEPTH
 from service.settings import Settings
-from service.validation import MAX_AMOUNT, MAX_DEPTH
 from workers_sdk.errors import GenqError, Reason, from_rpc_error
 
 Stub = task_pb2_grpc.GenerationDataServiceStub
@@ -666,7 +666,7 @@ INTERNAL_CONSTRAINTS = {
 
 def test_every_check_a_request_can_break_has_a_rule_to_tell(db: Db) -> None:
     """Error messages name the rule, not the constraint: each CHECK of the schema is either
-    explained in service/errors.py RULES or written by the service alone."""
+    explained in service/api/errors.py RULES or written by the service alone."""
     checks = {
         row["conname"]
         for row in db.execute(

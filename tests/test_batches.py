@@ -260,7 +260,7 @@ def test_batches_over_two_paid_tools_in_opposite_orders_never_deadlock(
 def test_a_batch_ends_its_held_runs_as_single_completes_would(
     stub: Stub, db: Db, tool_id: str
 ) -> None:
-    """CompleteTasks ends every held run in one statement (complete_tasks_v3): each ends as
+    """CompleteTasks ends every held run in one statement (complete_tasks_v1): each ends as
     CompleteTask would end it — `cancelled` when a cancel was asked for, its attempt closed with
     its cost, the tool's reservation released and its spend added (a cost above the estimate
     grows the share), the key's run of failures reset, one terminal event each — and an item
@@ -335,7 +335,7 @@ def test_a_batch_locks_two_leases_of_one_task_in_attempt_order(
     """A batch naming a task's current lease before a stale one locks their attempts in
     (task, attempt) order, as every transition does: a transaction that holds the first attempt
     and then wants the second (a time-zone change locks today's attempts so) must not deadlock
-    with it. The review of alembic 0014 found lock_reported_v2 locking them in item order."""
+    with it. The review of alembic 0014 found lock_reported_v1 locking them in item order."""
     task = queue(stub, tool_id)
     first = claim_many(stub, tool_id, 1).tasks[0]
     stub.ReleaseTask(task_pb2.ReleaseTaskRequest(task_id=task.id, lease_token=first.lease_token))

@@ -2,7 +2,7 @@
 and the tasks in flight, with fresh statistics, with none (right after a bulk load), and with the
 generic plan a prepared statement ends up on.
 
-The claim is generation.claim_tasks_v4, one statement when no gate applies (as here); auto_explain
+The claim is generation.claim_tasks_v1, one statement when no gate applies (as here); auto_explain
 (nested statements, sent to the client as notices) shows the plan of that statement, whose
 `chosen` CTE is the pick, and EXPLAIN of the call counts the buffers of all of it."""
 
@@ -19,7 +19,7 @@ import pytest
 from psycopg import sql
 from psycopg.rows import dict_row
 
-from service.rpcs import STATEMENTS
+from service.api.rpcs import STATEMENTS
 from tests.conftest import Databases, url_for
 
 IN_FLIGHT = 20_000
@@ -207,7 +207,7 @@ def test_claim_is_flat_with_statistics(loaded: psycopg.Connection[dict[str, Any]
 def test_a_claim_a_gate_holds_is_flat_too(loaded: psycopg.Connection[dict[str, Any]]) -> None:
     """When a gate applies (here a pause; a paid tool that has spent today is the same), the
     one-statement claim must not walk the tool's queue looking for rows its gate would pass: it
-    goes on with claim_tasks_v3's steps, which say why, within the same budget."""
+    goes on with claim_tasks_v1's step-by-step rules, which say why, within the same budget."""
     big = make_tool(loaded)
     bulk_load(loaded, big)
     loaded.execute("UPDATE generation.tools SET paused = true WHERE id = %s", [big])
@@ -353,8 +353,8 @@ def test_batch_reports_read_their_own_rows_whatever_is_in_flight(databases: Data
 def test_a_free_claim_and_its_completion_run_in_one_statement_each(databases: Databases) -> None:
     """The default path is the fast one: with no gate, limit or money in play, ClaimNextTask and
     CompleteTask each run their one-statement path (the claim after its gate statement, the
-    completion before its key's reset, alembic 0018) and none of the older steps they fall back
-    to (claim_tasks_v3's, complete_task_v2's); a paid claim and a costed completion run those."""
+    completion before its key's reset) and none of the step-by-step rules they fall back to (in
+    claim_tasks_v1, complete_task_v1); a paid claim and a costed completion run those."""
     url = url_for(databases.create("one_statement"))
     with psycopg.connect(url, row_factory=dict_row) as connection:
         free, paid = make_tool(connection), make_tool(connection)

@@ -25,10 +25,10 @@ import pytest
 from psycopg.rows import dict_row
 
 from generation.task.v1 import task_pb2, task_pb2_grpc
-from service import rpcs, validation
+from service.api import rpcs, validation
 from tests.conftest import ROOT, Databases, ServiceProcess, free_port, url_for, wait_for
 from workers_sdk.cli import program, resources, values
-from workers_sdk.cli.command import CAPPED, DISABLED, ERROR, USAGE
+from workers_sdk.commands import CAPPED, DISABLED, ERROR, USAGE
 
 Stub = task_pb2_grpc.GenerationDataServiceStub
 Db = psycopg.Connection[dict[str, Any]]

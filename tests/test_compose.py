@@ -25,10 +25,10 @@ import pytest
 import yaml
 
 from generation.task.v1 import task_pb2
-from service.cli import parser
 from service.settings import Settings, env_names
 from tests.certificates import channel_credentials, make_certs
 from tests.conftest import ROOT, Databases, ServiceProcess, free_port, url_for, wait_for
+from workers_sdk.cli.program import parser
 
 COMPOSE: dict[str, Any] = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]

@@ -9,7 +9,7 @@ import uuid
 from pathlib import Path
 
 from generation.task.v1 import task_pb2
-from service.rpcs import BINDINGS, SERVICE, STATEMENTS
+from service.api.rpcs import BINDINGS, SERVICE, STATEMENTS
 from service.settings import Settings
 from tests.conftest import ROOT
 

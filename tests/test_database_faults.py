@@ -21,9 +21,8 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from generation.task.v1 import task_pb2, task_pb2_grpc
-from service.database import Database, connection_kwargs
-from service.errors import DatabaseUnavailable
-from service.housekeeping import STOP_STATEMENT_SECONDS
+from service.api.errors import DatabaseUnavailable
+from service.database import STOP_STATEMENT_SECONDS, Database, connection_kwargs
 from service.settings import Settings
 from tests.conftest import ServiceProcess, wait_for
 from tests.private_postgres import PrivatePostgres, private_postgres

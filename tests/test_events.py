@@ -17,8 +17,8 @@ import redis
 import redis.asyncio as aioredis
 
 from generation.task.v1 import task_pb2
+from service.api.signals import TERMINAL_EVENTS, Signals
 from service.settings import Settings
-from service.signals import TERMINAL_EVENTS, Signals
 from tests.conftest import REDIS_URL, ServiceProcess, wait_for
 from tests.test_semantics import Db, Stub, claim, queue, row
 from workers_sdk.client import GenqClient

@@ -24,7 +24,7 @@ import pytest
 from psycopg.rows import dict_row
 
 from generation.task.v1 import task_pb2, task_pb2_grpc
-from service.rpcs import BINDINGS, HAND_BACK_SQL, STATEMENTS
+from service.api.rpcs import BINDINGS, HAND_BACK_SQL, STATEMENTS
 from service.settings import Settings
 from tests.conftest import Databases, ServiceProcess, url_for, wait_for
 from tests.invariants import assert_invariants
@@ -548,9 +548,9 @@ def test_a_retried_complete_while_the_first_still_commits_gets_the_same_answer(
         blocker.execute("SELECT 1 FROM generation.tasks WHERE id = %s FOR UPDATE", [task.id])
         with ThreadPoolExecutor(2) as pool:
             first = pool.submit(stub.CompleteTask, request, timeout=20)
-            wait_for(lambda: waiting_on_lock(db, "complete_task_v3") >= 1, what="the first")
+            wait_for(lambda: waiting_on_lock(db, "complete_task_v1") >= 1, what="the first")
             retry = pool.submit(stub.CompleteTask, request, timeout=20)
-            wait_for(lambda: waiting_on_lock(db, "complete_task_v3") >= 2, what="the retry")
+            wait_for(lambda: waiting_on_lock(db, "complete_task_v1") >= 2, what="the retry")
             blocker.rollback()
             assert first.result().task == retry.result().task
     assert row(db, task.id)["status"] == "completed"
@@ -580,7 +580,7 @@ def test_a_completion_that_waited_for_its_task_resets_a_failure_of_its_key_from_
         heartbeat.execute("SELECT 1 FROM generation.tasks WHERE id = %s FOR UPDATE", [first.id])
         with ThreadPoolExecutor(1) as pool:
             completing = pool.submit(stub.CompleteTask, request, timeout=20)
-            wait_for(lambda: waiting_on_lock(db, "complete_task_v3") >= 1, what="the completion")
+            wait_for(lambda: waiting_on_lock(db, "complete_task_v1") >= 1, what="the completion")
             stub.FailTask(
                 task_pb2.FailTaskRequest(
                     task_id=second.id,
@@ -602,12 +602,12 @@ def test_a_completion_that_waited_behind_its_lease_refused_as_lost_leaves_that_c
     """The same lease reports twice: a completion whose transaction began before the lease
     lapsed (standing for a statement held up between its start and the task's lock), and a
     report after the lapse, which closes the attempt `lease_lost` with its cost while the task
-    stays processing. The completion waits for it, then ends the run as complete_task_v2 does:
-    the attempt stays closed as the refusal closed it, not closed again (alembic 0018). The
+    stays processing. The completion waits for it, then ends the run as complete_task_v1's
+    locked steps do: the attempt stays closed as the refusal closed it, not closed again. The
     service's rescuer is held off: it would hand the lapsed, unconfirmed lease back first."""
     task = queue(stub, tool_id)
     lease = claim(stub, tool_id).lease_token
-    call = "SELECT x.task_found FROM generation.complete_task_v3(%s, %s, '{}', '{}', %s, NULL) AS x"
+    call = "SELECT x.task_found FROM generation.complete_task_v1(%s, %s, '{}', '{}', %s, NULL) AS x"
     with (
         rescuer_held_off(db),
         psycopg.connect(database_url) as early,
@@ -630,7 +630,7 @@ def test_a_completion_that_waited_behind_its_lease_refused_as_lost_leaves_that_c
         assert refused == {"outcome": "running", "cost_nanos": 0}, "not committed yet"
         with ThreadPoolExecutor(1) as pool:
             completing = pool.submit(lambda: early.execute(call, [task.id, lease, 0]).fetchone())
-            wait_for(lambda: waiting_on_lock(db, "complete_task_v3") >= 1, what="the completion")
+            wait_for(lambda: waiting_on_lock(db, "complete_task_v1") >= 1, what="the completion")
             late.commit()
             assert completing.result(timeout=20) == (True,)
         early.commit()
@@ -643,8 +643,8 @@ def test_a_completion_that_waited_behind_its_lease_refused_as_lost_leaves_that_c
 @contextmanager
 def rescuer_held_off(db: Db) -> Iterator[None]:
     """Another holder takes the maintenance lease for a minute: the service's sweeps run only
-    under its own lease (housekeeping.LEADING), so none rescues meanwhile. At the end the row
-    goes, and the service leads again at its next try."""
+    under its own lease (LEADING, service/leader/lease.py), so none rescues meanwhile. At the
+    end the row goes, and the service leads again at its next try."""
     db.execute(
         "INSERT INTO generation.leader (name, holder, expires_at) "
         "VALUES ('maintenance', gen_random_uuid(), now() + interval '1 minute') "
@@ -698,7 +698,7 @@ def test_a_complete_whose_commit_answer_is_lost_is_retried_to_the_same_answer(
         lease_token=claimed.lease_token,
         reported_usage=task_pb2.ReportedUsage(token_amount=20, cost_nanos=9),
     )
-    proxy.cut_after_request(b"complete_task_v3", b"SELECT 1\x00")
+    proxy.cut_after_request(b"complete_task_v1", b"SELECT 1\x00")
     with pytest.raises(grpc.RpcError) as caught:
         stub.CompleteTask(request, timeout=20)
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE, "retryable, as clients do"

@@ -19,15 +19,17 @@ from contextlib import contextmanager
 from typing import Any, cast
 
 import grpc
+import psycopg
 import pytest
 from google.protobuf import duration_pb2
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from psycopg.rows import dict_row
 
 from generation.task.v1 import task_pb2
-from tests.conftest import ServiceProcess, wait_for
+from tests.conftest import Databases, ServiceProcess, url_for, wait_for
 from tests.test_semantics import Db, Stub, row
 from workers_sdk import (
     AccountError,
@@ -497,26 +499,57 @@ def attempts(db: Db, task_id: str) -> list[dict[str, Any]]:
     ).fetchall()
 
 
-def test_heartbeats_follow_a_short_lease(service: ServiceProcess, db: Db) -> None:
-    """A tool with 10 s leases and a handler running 25 s: the fleet (heartbeat_interval left
-    at 60 s) beats every third of the lease, so the run completes on its first attempt."""
+SHORT_LEASE = 3
+"""A tool's lease (s) below the default floor, which `short_leases` lets tools have."""
+SLOW_HANDLER = 8
+"""A handler's run (s): well past the short lease, so only heartbeats keep it."""
+
+
+@pytest.fixture(scope="module")
+def short_lease_url(databases: Databases) -> str:
+    return url_for(databases.create("short_leases"))
+
+
+@pytest.fixture(scope="module")
+def short_leases(
+    short_lease_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServiceProcess]:
+    """A service whose lease floor (GENQ_MIN_LEASE_SECONDS) takes SHORT_LEASE, on a database of
+    its own."""
+    log = tmp_path_factory.mktemp("short_leases") / "serve.log"
+    process = ServiceProcess(short_lease_url, log, GENQ_MIN_LEASE_SECONDS=str(SHORT_LEASE))
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+def short_lease_db(short_lease_url: str) -> Iterator[Db]:
+    with psycopg.connect(short_lease_url, autocommit=True, row_factory=dict_row) as connection:
+        yield connection
+
+
+def test_heartbeats_follow_a_short_lease(short_leases: ServiceProcess, short_lease_db: Db) -> None:
+    """A tool with 3 s leases and a handler running 8 s: the fleet (heartbeat_interval left at
+    60 s) beats every third of the lease, so the run completes on its first attempt."""
+    service, db = short_leases, short_lease_db
     name = tool_name()
     fleet = new_fleet(service)
     lost: list[bool] = []
 
     @fleet.tool(name)
     async def slow(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
-        await asyncio.sleep(25)
+        await asyncio.sleep(SLOW_HANDLER)
         lost.append(ctx.is_lease_lost)
-        return {"slept": 25}
+        return {"slept": SLOW_HANDLER}
 
     with running(fleet):
         tool_id = fleet.tool_ids[name]
-        service.stub.ConfigureTool(task_pb2.ConfigureToolRequest(tool_id=tool_id, lease_seconds=10))
+        lease = task_pb2.ConfigureToolRequest(tool_id=tool_id, lease_seconds=SHORT_LEASE)
+        service.stub.ConfigureTool(lease)
         task_id = queue(service.stub, tool_id)
-        wait_for(lambda: terminal(db, task_id), timeout=45, what="the slow task to complete")
+        wait_for(lambda: terminal(db, task_id), timeout=30, what="the slow task to complete")
     done = row(db, task_id)
-    assert (done["status"], done["output"], lost) == ("completed", {"slept": 25}, [False])
+    assert (done["status"], done["output"], lost) == ("completed", {"slept": SLOW_HANDLER}, [False])
     assert (done["attempt_count"], done["retry_count"]) == (1, 0)
     assert [a["outcome"] for a in attempts(db, task_id)] == ["completed"]
 

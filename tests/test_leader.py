@@ -17,7 +17,8 @@ import pytest
 from psycopg.rows import dict_row
 
 from generation.task.v1 import task_pb2
-from service import housekeeping
+from service.leader.expiry import EXPIRE_SQL
+from service.leader.rescue import RESCUE_SQL
 from tests.conftest import Databases, ServiceProcess, url_for, wait_for
 
 TTL, RENEW = 2.0, 0.5
@@ -188,7 +189,7 @@ def test_a_sweep_runs_only_under_a_lease_its_sender_holds(databases: Databases, 
     url = url_for(databases.create(f"fence_{uuid.uuid4().hex[:6]}"))
     holder = uuid.uuid4()
     params = {"batch": 1000, "disabled": False, "leader": "maintenance", "holder": holder}
-    statement = housekeeping.RESCUE_SQL if sweep == "rescue" else housekeeping.EXPIRE_SQL
+    statement = RESCUE_SQL if sweep == "rescue" else EXPIRE_SQL
     with psycopg.connect(url, autocommit=True, row_factory=dict_row) as db:
         tool = db.execute("INSERT INTO generation.tools (name) VALUES ('t') RETURNING id")
         tool_id = tool.fetchone()["id"]  # type: ignore[index]

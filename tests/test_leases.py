@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from generation.task.v1 import task_pb2
-from service.rpcs import STATEMENTS
+from service.api.rpcs import STATEMENTS
 from tests.test_semantics import Db, Stub, add_row, ago, claim, lapse_lease, queue, row
 from workers_sdk.errors import Reason, from_rpc_error
 

@@ -20,10 +20,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from generation.task.v1 import task_pb2
+from service.api.messages import Row
+from service.api.metrics import QUEUE_HEALTH_SQL, Metrics
+from service.api.rpcs import BINDINGS, STATEMENTS
 from service.database import Database
-from service.messages import Row
-from service.metrics import QUEUE_HEALTH_SQL, Metrics
-from service.rpcs import BINDINGS, STATEMENTS
 from service.settings import Settings
 from tests.conftest import Databases, ServiceProcess, free_port, url_for, wait_for
 

@@ -1,5 +1,5 @@
-"""Migrating as deployments do: from an installed wheel, by several replicas at once, and never
-down without being told how far (GUIDE fault 21)."""
+"""Migrating as deployments do: from an installed wheel (which carries the baseline's schema.sql),
+by several replicas at once, and never down without being told how far (GUIDE fault 21)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ import psycopg
 from alembic.script import ScriptDirectory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from service import cli, migrations
+from service import migrations
 from tests.conftest import ROOT, Databases, ServiceProcess, free_port, url_for, wait_for
+from workers_sdk.commands import USAGE
 
 
 def head() -> str:
@@ -90,6 +91,7 @@ def test_an_installed_wheel_migrates_and_serves_from_anywhere(
         f"genq_migrations/versions/{p.name}" for p in (ROOT / "alembic/versions").glob("*.py")
     }
     assert revisions and revisions <= names
+    assert "generation/task/v1/schema.sql" in names, "the baseline runs it"
 
     target = tmp_path / "site"
     installed = run([*pip, "install", *offline, "--target", str(target), str(wheel)], tmp_path)
@@ -101,16 +103,18 @@ def test_an_installed_wheel_migrates_and_serves_from_anywhere(
         [
             sys.executable,
             "-c",
-            "from service import migrations; print(migrations.__file__); "
-            "print(migrations.script_location())",
+            "from importlib.resources import files; from service import migrations; "
+            "print(migrations.__file__); print(migrations.script_location()); "
+            "print(files('generation.task.v1').joinpath('schema.sql'))",
         ],
         outside,
         PYTHONPATH=str(target),
     )
     assert where.returncode == 0, where.stderr
-    module, scripts = where.stdout.split()
+    module, scripts, schema = where.stdout.split()
     assert Path(module).is_relative_to(target)
     assert Path(scripts) == target / "genq_migrations"
+    assert Path(schema) == target / "generation" / "task" / "v1" / "schema.sql"
 
     url = url_for(databases.create("from_wheel", template=None))
     migrated = run(
@@ -195,7 +199,7 @@ def test_downgrade_needs_an_explicit_revision(databases: Databases, tmp_path: Pa
     refused = run(
         [sys.executable, "-m", "service", "migrate", "--downgrade"], ROOT, DATABASE_URL=url
     )
-    assert refused.returncode == cli.USAGE
+    assert refused.returncode == USAGE
     assert "--downgrade" in refused.stderr and "REVISION" in refused.stderr
     assert versions(url) == before
     assert has_tasks_table(url)

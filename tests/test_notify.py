@@ -18,8 +18,8 @@ import pytest
 from google.protobuf import duration_pb2
 
 from generation.task.v1 import task_pb2
+from service.api.signals import WAKE_CHANNEL, Signals
 from service.settings import Settings
-from service.signals import WAKE_CHANNEL, Signals
 from tests.conftest import Databases, ServiceProcess, url_for, wait_for
 
 NO_RECHECK = {"GENQ_RECHECK_SECONDS": "30"}  # a parked claim woken in time was woken by NOTIFY

@@ -1,7 +1,9 @@
-"""Alembic owns the schema (GUIDE A2): head is exactly schema.sql, and base is empty again."""
+"""schema.sql is the schema (GUIDE A2): the baseline migration builds exactly it, base is empty
+again, and every function in it is one something runs."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import psycopg
@@ -10,11 +12,12 @@ from psycopg.rows import dict_row
 
 from generation.task.v1 import task_pb2
 from service import migrations
-from service.rpcs import STATEMENTS
+from service.api.rpcs import STATEMENTS
 from tests.conftest import ROOT, Databases, url_for
 from tests.test_semantics import Db, Stub, claim, queue
 
 SCHEMA_SQL = ROOT / "proto" / "generation" / "task" / "v1" / "schema.sql"
+SERVICE = ROOT / "service"
 
 CATALOG = {
     "columns": """
@@ -36,7 +39,29 @@ CATALOG = {
     "storage": """
         SELECT relname, relkind, reloptions FROM pg_class
         WHERE relnamespace = 'generation'::regnamespace ORDER BY 1""",
+    "triggers": """
+        SELECT tgname, pg_get_triggerdef(oid) AS def FROM pg_trigger
+        WHERE tgrelid IN (SELECT oid FROM pg_class WHERE relnamespace = 'generation'::regnamespace)
+        ORDER BY 1""",
+    "views": """
+        SELECT viewname, definition FROM pg_views WHERE schemaname = 'generation' ORDER BY 1""",
 }
+
+OBJECTS = r"""
+    WITH ns AS (
+        SELECT oid, nspname FROM pg_namespace
+        WHERE nspname NOT LIKE 'pg\_%' AND nspname <> 'information_schema')
+    SELECT 'schema' AS kind, nspname AS name FROM ns
+    UNION ALL SELECT 'relation', c.oid::regclass::text
+              FROM pg_class AS c JOIN ns ON ns.oid = c.relnamespace
+    UNION ALL SELECT 'function', p.oid::regprocedure::text
+              FROM pg_proc AS p JOIN ns ON ns.oid = p.pronamespace
+    UNION ALL SELECT 'type', t.oid::regtype::text
+              FROM pg_type AS t JOIN ns ON ns.oid = t.typnamespace
+    UNION ALL SELECT 'extension', extname FROM pg_extension
+    UNION ALL SELECT 'event trigger', evtname FROM pg_event_trigger
+    ORDER BY 1, 2"""
+"""Everything a database holds outside the system catalogs."""
 
 
 def catalog(url: str) -> dict[str, list[dict[str, Any]]]:
@@ -44,7 +69,14 @@ def catalog(url: str) -> dict[str, list[dict[str, Any]]]:
         return {name: connection.execute(query).fetchall() for name, query in CATALOG.items()}
 
 
-def test_alembic_head_is_exactly_schema_sql(databases: Databases) -> None:
+def objects(url: str) -> set[tuple[str, str]]:
+    with psycopg.connect(url) as connection:
+        return {(kind, name) for kind, name in connection.execute(OBJECTS).fetchall()}
+
+
+def test_the_migrated_database_is_exactly_schema_sql(databases: Databases) -> None:
+    """`genq migrate` runs the packaged copy of schema.sql (generation/task/v1/schema.sql), the
+    same as proto/'s: catalogs and function bodies alike."""
     migrated = url_for(databases.create("drift_alembic", template=None))
     migrations.upgrade(migrated)
     applied = url_for(databases.create("drift_sql", template=None))
@@ -58,17 +90,21 @@ def test_alembic_head_is_exactly_schema_sql(databases: Databases) -> None:
         assert from_alembic[part] == from_sql[part], f"{part} differ between alembic and schema.sql"
 
 
-def test_downgrade_to_base_and_back(databases: Databases) -> None:
+def test_the_baseline_downgrades_to_empty_and_back(databases: Databases) -> None:
+    """Down to base leaves the database as it was before the first migration, but for alembic's
+    own version table (empty), and the baseline then builds the whole schema again."""
+    empty = objects(url_for(databases.create("empty", template=None)))
     url = url_for(databases.create("downgrade", template=None))
     migrations.upgrade(url)
+    assert ("schema", "generation") in objects(url)
     migrations.downgrade(url, "base")
+
+    left = {(kind, name) for kind, name in objects(url) if "alembic_version" not in name}
+    assert left == empty
     with psycopg.connect(url) as connection:
-        left = connection.execute(
-            "SELECT count(*) FROM pg_namespace WHERE nspname = 'generation'"
-        ).fetchone()
-        assert left == (0,)
+        assert connection.execute("SELECT count(*) FROM alembic_version").fetchone() == (0,)
     migrations.upgrade(url)
-    assert catalog(url)["columns"]
+    assert catalog(url) == catalog(url_for(databases.template))
 
 
 def test_queue_table_is_tuned_for_a_hot_queue(db: Db) -> None:
@@ -83,9 +119,9 @@ def test_queue_table_is_tuned_for_a_hot_queue(db: Db) -> None:
 
 
 def test_a_tool_is_never_deleted(stub: Stub, db: Db, tool_id: str) -> None:
-    """Alembic 0015: tasks name their tool without a foreign key, so nothing may remove a tool
-    from under them or renumber it: a DELETE, a TRUNCATE (which would also have skipped the key)
-    or an UPDATE of its id. Its other columns still change (ConfigureTool)."""
+    """Tasks name their tool without a foreign key, so nothing may remove a tool from under them
+    or renumber it: a DELETE, a TRUNCATE (which would also skip a key) or an UPDATE of its id.
+    Its other columns still change (ConfigureTool)."""
     task = queue(stub, tool_id)
     for statement in (
         "DELETE FROM generation.tools WHERE id = %(tool)s",
@@ -122,9 +158,9 @@ def test_heartbeat_is_a_hot_update(stub: Stub, db: Db, tool_id: str) -> None:
 
 
 def test_every_transition_is_planned_once_and_by_key(db: Db) -> None:
-    """Alembic 0010 and 0014: each PL/pgSQL function of the schema carries the three settings;
-    one added without them would replan every call, keep a seq-scan plan made while a table was
-    small, or be JIT-compiled (for the 10^10 a disabled scan costs) in a session with JIT on."""
+    """Each PL/pgSQL function of the schema carries the three settings; one added without them
+    would replan every call, keep a seq-scan plan made while a table was small, or be
+    JIT-compiled (for the 10^10 a disabled scan costs) in a session with JIT on."""
     unset = db.execute(
         "SELECT p.proname FROM pg_proc AS p JOIN pg_language AS l ON l.oid = p.prolang "
         "WHERE p.pronamespace = 'generation'::regnamespace AND l.lanname = 'plpgsql' "
@@ -132,3 +168,48 @@ def test_every_transition_is_planned_once_and_by_key(db: Db) -> None:
         "'enable_seqscan=off', 'jit=off'])"
     ).fetchall()
     assert unset == []
+
+
+FUNCTION = re.compile(r"^CREATE FUNCTION generation\.(\w+)\(.*?^\$\$;$", re.MULTILINE | re.DOTALL)
+TRIGGER = re.compile(r"EXECUTE FUNCTION generation\.(\w+)\(")
+
+
+def calls(text: str, names: set[str]) -> set[str]:
+    """The functions of `names` that `text` calls: `generation.<name>(`."""
+    return {name for name in names if f"generation.{name}(" in text}
+
+
+def unreachable(schema: str, statements: list[str]) -> set[str]:
+    """The functions schema.sql creates that nothing runs: reached from no RPC's `sql` option,
+    no statement of the service, no trigger, and no function reached so."""
+    bodies = {
+        match.group(1): re.sub(r"--[^\n]*", "", match.group(0))
+        for match in FUNCTION.finditer(schema)
+    }
+    names = set(bodies)
+    outside = FUNCTION.sub("", schema)
+    reached = set(TRIGGER.findall(outside)) & names
+    for text in statements:
+        reached |= calls(text, names)
+    todo = list(reached)
+    while todo:
+        for name in calls(bodies[todo.pop()], names) - reached:
+            reached.add(name)
+            todo.append(name)
+    return names - reached
+
+
+def test_every_function_is_one_something_runs() -> None:
+    """Each function of schema.sql is reached from an RPC's SQL, a statement of the service (any
+    module under service/), a trigger, or another function so reached; and each is the `_v1`
+    0.1.0 ships, so a change cannot leave the version it replaced behind."""
+    schema = SCHEMA_SQL.read_text()
+    service = [path.read_text() for path in sorted(SERVICE.rglob("*.py"))]
+    names = {match.group(1) for match in FUNCTION.finditer(schema)}
+    assert {"claim_tasks_v1", "complete_task_v1", "keep_tools_v1"} <= names, "the parse found them"
+
+    assert unreachable(schema, [*STATEMENTS.values(), *service]) == set()
+    assert sorted(name for name in names if not name.endswith("_v1")) == []
+
+    dead = "CREATE FUNCTION generation.dead_v1() RETURNS void\nLANGUAGE sql\nAS $$\n$$;\n"
+    assert unreachable(schema + dead, [*STATEMENTS.values(), *service]) == {"dead_v1"}

@@ -14,7 +14,7 @@ import pytest
 from google.protobuf import duration_pb2, timestamp_pb2
 
 from generation.task.v1 import task_pb2, task_pb2_grpc
-from service.rpcs import STATEMENTS
+from service.api.rpcs import STATEMENTS
 from tests.conftest import forget_waits, wait_for
 from workers_sdk.errors import Reason, from_rpc_error
 

@@ -22,15 +22,15 @@ from grpc_health.v1 import health_pb2
 from psycopg.rows import dict_row
 
 from generation.task.v1 import task_pb2
-from service.server import HEALTH_CHECK_INTERVAL_SECONDS
+from service.api.server import HEALTH_CHECK_INTERVAL_SECONDS
 from service.settings import Settings
 from tests.conftest import ROOT, Databases, ServiceProcess, url_for, wait_for
 from tests.tcp_proxy import TcpProxy
 from workers_sdk.errors import Reason, from_rpc_error
 
 # Health turns NOT_SERVING at most one ping interval plus one ping timeout after Postgres stops
-# answering (service/server.py, watch_health): 2.5 s. On a loaded 2-core machine the event loop
-# and the test's Check calls run late, so allow four times that.
+# answering (service/api/server.py, watch_health): 2.5 s. On a loaded 2-core machine the event
+# loop and the test's Check calls run late, so allow four times that.
 NOT_SERVING_WITHIN = 4 * (HEALTH_CHECK_INTERVAL_SECONDS + Settings().ping_timeout_seconds)
 
 

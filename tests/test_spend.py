@@ -19,7 +19,7 @@ from google.protobuf import duration_pb2, timestamp_pb2
 from psycopg.rows import dict_row
 
 from generation.task.v1 import task_pb2, task_pb2_grpc
-from service import housekeeping
+from service.leader.waits import waits
 from tests.conftest import UNLIMITED, Databases, ServiceProcess, url_for, wait_for
 from tests.invariants import assert_invariants
 from tests.test_server import genq
@@ -286,7 +286,7 @@ def test_costed_runs_of_a_free_tool_wait_for_neither_settings_nor_other_tools(
 ) -> None:
     """A task estimated at 0 reserves nothing, but its run may report a cost. Once the tool's
     runs have spent today and its share is used up, its claim takes a slice of the cap
-    (claim_tasks_v4, v3's steps), so the costs that follow fit in the tool's own row: with the
+    (claim_tasks_v1, v3's steps), so the costs that follow fit in the tool's own row: with the
     settings row locked, such a tool claims and completes with a cost. (Before, each such close
     grew the grants and waited for settings.) A tool that has spent nothing today takes no
     slice."""
@@ -513,7 +513,7 @@ def test_the_stricter_cap_wins(stub: Stub, sdb: Db) -> None:
 def test_a_batch_of_a_free_tool_stops_at_a_task_the_cap_has_no_room_for(
     stub: Stub, sdb: Db
 ) -> None:
-    """Claim order holds across the one-statement claim (claim_tasks_v4) and the rules it hands
+    """Claim order holds across the one-statement claim (claim_tasks_v1) and the rules it hands
     over to: a task estimated above today's room, queued between two free ones, stops the batch
     there, and the free task behind it is not taken instead (it would take the room the day
     frees first)."""
@@ -548,7 +548,7 @@ def test_a_task_estimated_above_the_cap_in_force_is_passed_over_until_it_is_rais
     status = stub.GetStatus(task_pb2.GetStatusRequest()).status
     (row,) = [t for t in status.tools if t.tool_id == tool_id]
     assert (row.queued, row.largest_queued_estimate_nanos) == (1, 150)
-    assert "over_cap" in {wait.reason for wait in housekeeping.waits(status)}
+    assert "over_cap" in {wait.reason for wait in waits(status)}
     assert task_row(sdb, big.id)["status"] == "queued"
 
     if cap == "global":

@@ -23,7 +23,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from generation.task.v1 import task_pb2
-from service import server
+from service.api import server
 from service.settings import Settings
 from tests.conftest import ROOT, ServiceProcess, free_port, wait_for
 from tests.test_fleet import running
@@ -177,7 +177,7 @@ def test_otlp_exporter_is_installed() -> None:
 def test_a_service_started_with_the_console_exporter_prints_its_spans(
     database_url: str, tmp_path: Path
 ) -> None:
-    """Needs service/server.py to call service.tracing.configure() as each process starts."""
+    """Needs service/api/server.py to call service.tracing.configure() as each process starts."""
     log = tmp_path / "serve.log"
     service = ServiceProcess(
         database_url,

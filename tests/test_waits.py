@@ -17,8 +17,7 @@ import pytest
 from google.protobuf import json_format
 
 from generation.task.v1 import task_pb2
-from service import housekeeping
-from service.housekeeping import Waits, start_warnings, waits
+from service.leader.waits import WAITS_CHECK_SECONDS, Wait, Waits, start_warnings, waits
 from service.settings import Settings
 from tests.conftest import ROOT, Databases, ServiceProcess, url_for, wait_for
 from tests.test_metrics import RecordingDatabase
@@ -35,7 +34,7 @@ def tool(name: str, queued: int = 1, **fields: Any) -> dict[str, Any]:
     return {"tool_id": str(uuid.uuid4()), "name": name, "queued": queued, **fields}
 
 
-def said(found: list[housekeeping.Wait]) -> dict[str, tuple[list[str], int]]:
+def said(found: list[Wait]) -> dict[str, tuple[list[str], int]]:
     return {wait.reason: (wait.tools, wait.tasks) for wait in found}
 
 
@@ -182,7 +181,7 @@ def test_the_leader_logs_why_tasks_wait(uncapped: str, tmp_path: Path) -> None:
         expected = f"1 queued task (tool {name}) wait: no daily spend cap is set; `genq cap N`"
         wait_for(
             lambda: expected in service.log_path.read_text(),
-            timeout=3 * housekeeping.WAITS_CHECK_SECONDS,
+            timeout=3 * WAITS_CHECK_SECONDS,
             what="the leader's warning",
         )
     finally:

@@ -17,7 +17,7 @@ import pytest
 from psycopg.rows import dict_row
 
 from generation.task.v1 import task_pb2, task_pb2_grpc
-from service.housekeeping import OVERRIDES_GONE_SQL
+from service.leader.overrides import OVERRIDES_GONE_SQL
 from tests.conftest import UNLIMITED, Databases, ServiceProcess, forget_waits, url_for
 from tests.test_server import genq
 from workers_sdk.errors import Reason, from_rpc_error
@@ -560,10 +560,10 @@ def test_the_watchdogs_reads_do_not_judge_a_drained_backlog_row_by_row(
     databases: Databases,
 ) -> None:
     """A long backlog that a worker is draining (its tool polled just now) cannot be abandoned:
-    GetStatus's stale count and ListStaleTasks ask stale_reason_v2 about none of its tasks
+    GetStatus's stale count and ListStaleTasks ask stale_reason_v1 about none of its tasks
     (generation.unattended_tools_v1), so a status read stays cheap whatever the backlog. The
     same tasks of a tool nobody polls are judged, and found stale."""
-    from service.rpcs import BINDINGS, STATEMENTS
+    from service.api.rpcs import BINDINGS, STATEMENTS
     from service.settings import Settings
 
     url = url_for(databases.create("stale_reads"))
@@ -599,7 +599,7 @@ def test_the_watchdogs_reads_do_not_judge_a_drained_backlog_row_by_row(
             ).fetchall()
             judged = db.execute(
                 "SELECT COALESCE(sum(calls), 0) AS n FROM pg_stat_xact_user_functions "
-                "WHERE funcname = 'stale_reason_v2'"
+                "WHERE funcname = 'stale_reason_v1'"
             ).fetchone()
     assert status is not None and status["status"]["stale_tasks"] == 3
     assert {row["tool_id"] for row in listed} == {unattended} and len(listed) == 3

@@ -31,9 +31,9 @@ CHANNEL_OPTIONS = (
 )
 """No limit on an answer's size: the service bounds it (at most 100 claimed tasks, each input
 within GENQ_MAX_INPUT_BYTES), and an answer refused here would be lost after it committed.
-Reconnects at least every 5 s: gRPC's own backoff grows to 120 s, and after an outage of a
-minute a channel went on failing calls for tens of seconds once the service was back, while the
-reports of finished tasks waited on it (found in review)."""
+Reconnects at least every 5 s: gRPC's own backoff grows to 120 s, so that after an outage of a
+minute a channel would go on failing calls for tens of seconds once the service was back, while
+the reports of finished tasks waited on it."""
 
 
 @dataclass(frozen=True)

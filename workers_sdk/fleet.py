@@ -10,19 +10,18 @@
 
     asyncio.run(fleet.run())   # until SIGTERM/SIGINT, then drains
 
-The poll loop (one per tool, spec A "Fast pickup"; GUIDE A9). The spec's fleet parks on a Redis
-wake event with a jittered `poll_interval` fallback. A remote worker has no Redis: the service
-does the waiting. Each sweep is one ClaimTasks for as many tasks as the tool's lane has free
-slots (`concurrency` minus the handlers running or about to run, at most 100, the service's
+The poll loop (one per tool, spec A "Fast pickup"; GUIDE A9). A remote worker has no Redis: the
+service does the waiting. Each sweep is one ClaimTasks for as many tasks as the tool's lane has
+free slots (`concurrency` minus the handlers running or about to run, at most 100, the service's
 limit) with `wait` = jittered `poll_interval`: when tasks are ready it answers at once with up to
 that many (so the loop drains fast while it keeps claiming), and when none is, it parks in the
 service, which answers the moment a task for the tool is committed, or empty when the wait runs
-out (the polling floor). A slot is taken from the claim until the task's handler returns (the
-report that follows no longer holds it, so the next claim overlaps the last batch's reports). At
-concurrency capacity the loop backs off 0.25 s (sooner if a slot frees). The fleet's own wake
-event says "a slot freed or stop was requested"; it is cleared before each sweep, so one set
-during the sweep is not lost. A sweep for one slot is a ClaimNextTask (the same statement with a
-limit of 1), and so is every sweep against an older service without ClaimTasks (UNIMPLEMENTED).
+out (the polling floor). A sweep for one slot is a ClaimNextTask (the same statement with a
+limit of 1). A slot is taken from the claim until the task's handler returns (the report that
+follows no longer holds it, so the next claim overlaps the last batch's reports). At concurrency
+capacity the loop backs off 0.25 s (sooner if a slot frees). The fleet's own wake event says "a
+slot freed or stop was requested"; it is cleared before each sweep, so one set during the sweep
+is not lost.
 
 Batching. Each claimed task is worked on its own (below), but what the fleet sends about it is
 coalesced: the confirmations, heartbeats and CompleteTask/FailTask reports of every task in
@@ -33,21 +32,24 @@ waits at most `report_delay` (5 ms) for others to join it, and leaves at once wh
 full (1,000 items, or about 2 MiB of requests). The confirmations of one claim leave
 together as soon as the last is ready, without that wait: a claimed task never waits for company
 before its handler starts. A batch that fails UNAVAILABLE fails each of its items, and each
-report is retried as before (so the retries batch again): that is safe, since the service
-answers a report repeated under the same lease the same. A batch the service refuses as a whole
-(INVALID_ARGUMENT or RESOURCE_EXHAUSTED: one item's output too large, say) is sent again item by
-item, so that each report hears its own answer; so is every batch against an older service
-(UNIMPLEMENTED). A batch of one is the single RPC (HeartbeatTask, CompleteTask, FailTask), which
-carries its task's trace context; a larger batch belongs to no one task's trace and is sent
-outside any. ReleaseTask (drain) and PublishTaskEvent stay single.
+report is tried again on its own policy (so the retries batch again): that is safe, since the
+service answers a report repeated under the same lease the same. A batch the service refuses as
+a whole (INVALID_ARGUMENT or RESOURCE_EXHAUSTED: one item's output too large, say) is sent again
+item by item, so that each report hears its own answer. A batch of one is the single RPC
+(HeartbeatTask, CompleteTask, FailTask), which carries its task's trace context; a larger batch
+belongs to no one task's trace and is sent outside any. ReleaseTask (drain) and PublishTaskEvent
+stay single.
+
+Retries. Every call the fleet tries again follows a named policy (`workers_sdk.retry`): REGISTER
+(UpsertTool at start), CLAIM (a failed sweep), CONFIRM, HEARTBEAT and REPORT (CompleteTask,
+FailTask, ReleaseTask); each constant below says its pauses and when it gives up.
 
 Leases. A claim answers the lease's length (`lease`: the tool's `lease_seconds`, else the
 service's GENQ_LEASE_SECONDS; a tool's is never under 10 s), and so does every heartbeat. A
 background task extends the lease every min(`heartbeat_interval`, lease / 3), reckoned from the
 lease the last answer gave: two beats in a row may fail before the lease lapses, and a tool with
-a short lease is beaten often enough without tuning the fleet (an answer without `lease`, from
-an older service, leaves the beat at `heartbeat_interval`). When the service says the lease is
-gone (ABORTED, LEASE_LOST, from a heartbeat or an event publish), `ctx.lease_lost` is set and
+a short lease is beaten often enough without tuning the fleet. When the service says the lease
+is gone (ABORTED, LEASE_LOST, from a heartbeat or an event publish), `ctx.lease_lost` is set and
 an async handler is cancelled (a sync one sees the flag and may stop early); whatever it returns
 or raises is dropped. Another worker owns the task now; any write from here would be refused
 anyway.
@@ -59,11 +61,12 @@ while a confirmed run that ends without success (the worker crashed, the lease l
 one. So right after a claim arrives, before the handler starts, the fleet sends one heartbeat
 per task (one HeartbeatTasks for the claim's whole batch). OK: the handler runs. LEASE_LOST or
 NOT_FOUND: the task is not this worker's (or gone); it does not run. UNAVAILABLE or a deadline:
-tried again a couple of times within the first two thirds of the lease (a heartbeat is
-idempotent); still nothing, and it does not run: the lease lapses unconfirmed, costing nothing.
-One beat per claim is the whole price, and it is what lets the service tell the two apart: a
-poison task that crashes its worker mid-handler was confirmed each time, so `max_retries` bounds
-its runs, and a claim answer lost on the way is never charged as a run.
+tried again (CONFIRM) within the first two thirds of the lease (a heartbeat is idempotent);
+still nothing, and it does not run: it is handed back, which costs nothing even if a try
+committed unseen (should that fail too, the lease lapses). One beat per claim is the whole
+price, and it is what lets the service tell the two apart: a poison task that crashes its worker
+mid-handler was confirmed each time, so `max_retries` bounds its runs, and a claim answer lost
+on the way is never charged as a run.
 
 Cancel. Cancelling a running task asks its worker to stop: the next heartbeat answers
 `cancel_requested`. The fleet then sets `ctx.cancel_requested` and cancels an async handler's
@@ -84,12 +87,12 @@ Drain (SIGTERM/SIGINT or `stop()`): stop claiming, let tasks in flight finish wi
 ReleaseTask, which requeues a task at once without using an attempt (GUIDE B2: a deliberate stop
 never consumes one). The alternatives are worse: FailTask(increment_retry=true) uses an attempt
 and ends a task on its last attempt `failed`; letting the lease lapse also uses an attempt (the
-run was confirmed) and keeps the task waiting a whole lease. That lapse is still the fallback
-when the release itself fails (the service unreachable, or an older one without the RPC): the
-task is late and one attempt poorer, never lost. Claims parked in the service when the drain
-starts are awaited, not cancelled: the service may already have claimed a task for this worker,
-and a lost answer would strand that task until its lease lapsed. A task such a claim brings is
-confirmed and worked like the others.
+run was confirmed) and keeps the task waiting a whole lease. That lapse is what happens when the
+release itself fails (the service unreachable): the task is late and one attempt poorer, never
+lost. Claims parked in the service when the drain starts are awaited, not cancelled: the service
+may already have claimed a task for this worker, and a lost answer would strand that task until
+its lease lapsed. A task such a claim brings is confirmed and handed back unrun once the drain's
+deadline has passed, else worked like the others.
 """
 
 from __future__ import annotations
@@ -118,6 +121,7 @@ from generation.task.v1 import task_pb2
 from workers_sdk import outcomes
 from workers_sdk.client import DEFAULT_TARGET, Credentials, GenqClient
 from workers_sdk.errors import GenqError, LeaseLost, Reason
+from workers_sdk.retry import Policy, retry
 
 log = logging.getLogger(__name__)
 
@@ -133,13 +137,6 @@ AT_CAPACITY_BACKOFF_SECONDS = 0.25
 MAX_CLAIM_WAIT_SECONDS = 30.0
 """The longest `wait` the service accepts (GENQ_MAX_CLAIM_WAIT_SECONDS)."""
 
-REPORT_RETRY_MAX_SECONDS = 1.0
-"""The longest pause between two tries of a report (CompleteTask, FailTask, ReleaseTask)
-answered UNAVAILABLE or out of time (REPORT_RETRIED_CODES): the first is 0.2 s, then doubled up
-to this. It is tried until the lease it holds ends (as the last beat told), not a fixed number
-of times: four tries in 1.4 s lost a finished task's result to a service restarting, and the
-task ran again (found in review)."""
-
 MAX_RESOURCE_KEY = 200
 """The longest resource key the service takes."""
 MIN_LEASE_SECONDS = 10.0
@@ -149,16 +146,35 @@ DRAIN_REPORT_SECONDS = 5.0
 """How long past the drain's deadline a report still being tried may go on: a stop ends within
 `drain_timeout` plus this."""
 
+RETRIED_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+"""A confirmation or report answered with one of these may not have reached the service: it is
+sent again (a beat is idempotent, and a report repeated under its lease answers the same)."""
+
+REGISTER = Policy("register", first=0.1, max_delay=5.0)
+"""UpsertTool at start, answered UNAVAILABLE (the service may start after the fleet): tried
+again 0.1 s later, the pause doubled up to 5 s, until it answers or stop is asked."""
+
+CLAIM = Policy("claim", first=0.2)
+"""A sweep that failed (the service may be restarting): tried again 0.2 s later, the pause
+doubled up to `poll_interval`, until it answers or stop is asked; the poll loop outlives any
+failure."""
+
 CONFIRM_ATTEMPTS = 3
-"""Tries of the HeartbeatTask that confirms a claim, when it answers UNAVAILABLE or times out."""
+"""Tries of the HeartbeatTask that confirms a claim (policy "confirm"), when it answers
+UNAVAILABLE or times out, all within two thirds of the claim's lease."""
 
 CONFIRM_RETRY_SECONDS = 0.5
 """Pause before the second try of a confirmation; doubled before the third."""
 
-CONFIRM_RETRIED_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
-REPORT_RETRIED_CODES = CONFIRM_RETRIED_CODES
-"""A report (CompleteTask, FailTask, ReleaseTask) answered with one of these is sent again."""
-"""A confirmation answered so may not have reached the service: try again (a beat is idempotent)."""
+HEARTBEAT = Policy("heartbeat", first=1.0, multiplier=1.0)
+"""A heartbeat that failed but for a lost lease: tried again every second (every beat interval,
+if shorter) until it answers or the run ends; the lease outlasts two beats."""
+
+REPORT = Policy("report", first=0.2, max_delay=1.0)
+"""A report (CompleteTask, FailTask, ReleaseTask) answered with one of RETRIED_CODES: tried again
+0.2 s later, the pause doubled up to 1 s, until the lease it holds ends (as the last beat told),
+and once the drain began no later than DRAIN_REPORT_SECONDS past its deadline. A fixed number
+of tries would lose a finished task's result to a service restarting, and run the task again."""
 
 DEFAULT_REPORT_DELAY = 0.005
 """The longest a heartbeat or report waits for others to share its batch (`report_delay`)."""
@@ -199,8 +215,8 @@ class TaskContext:
         self.lease_token = lease_token
         self.lease_lost = asyncio.Event()
         """Set when the service says this worker no longer holds the task: another worker may
-        run it now. An async handler is cancelled right after (its result would be dropped, and
-        paid work went on for nothing, holding its slot; found in review)."""
+        run it now. An async handler is cancelled right after: its result would be dropped,
+        and paid work would go on for nothing, holding its slot."""
         self.cancel_requested = asyncio.Event()
         """Set when a cancel of the task was asked for: stop; the run ends cancelled, and what
         it cost so far (`report_usage`) is recorded. An async handler is cancelled right after."""
@@ -336,10 +352,15 @@ class _Lane:
     tool_id: str = ""
     runs: set[_Run] = field(default_factory=set)
     """Its claimed tasks not yet let go (confirming, running or reporting)."""
-    busy: int = 0
-    """Slots taken: runs claimed whose handler has not returned yet (what the next claim fills)."""
+    running: set[_Run] = field(default_factory=set)
+    """Those that hold a slot: claimed, their handler not returned yet."""
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     """Set when a slot frees or stop is requested; the poll loop clears it before each sweep."""
+
+    @property
+    def free(self) -> int:
+        """Slots the next claim may fill."""
+        return self.concurrency - len(self.running)
 
 
 @dataclass(eq=False)
@@ -351,19 +372,17 @@ class _Run:
     claim_span: trace.SpanContext
     abandoned: asyncio.Future[None]
     """Resolved by the drain when the deadline passes before the handler finishes."""
-    lease: float | None = None
-    """The lease's length in seconds, as the claim (then each heartbeat) gave it; None: unsaid."""
-    lease_until: float | None = None
-    """Loop time at which the lease ends, by the last beat's answer: how long a report is
-    worth trying (the service decides, on its clock; past this it can only refuse)."""
+    lease: float
+    """The lease's length in seconds, as the claim (then each heartbeat) gave it."""
+    lease_until: float
+    """Loop time at which the lease ends, by the last answer (claim or beat): how long a report
+    is worth trying (the service decides, on its clock; past this it can only refuse)."""
     task: asyncio.Task[None] | None = None
     """The asyncio task working it (`WorkerFleet._execute`)."""
     handler: asyncio.Task[Output] | None = None
     """The asyncio task running the handler, once the claim is confirmed."""
     heartbeat: asyncio.Task[None] | None = None
     """The asyncio task beating its lease, from the second beat on (`_start_heartbeat`)."""
-    holds_slot: bool = True
-    """Whether it still counts in its lane's `busy` (until its handler is done)."""
 
 
 @dataclass(eq=False)
@@ -394,8 +413,6 @@ class _Batcher:
         self.batch = f"{single}s"
         self._batch_request: Callable[..., Message] = getattr(task_pb2, f"{self.batch}Request")
         self._answer = answer
-        self.batches = True
-        """False once the service answered the batch RPC UNIMPLEMENTED: every call goes single."""
         self._pending: list[_Item] = []
         self._bytes = 0
         self._timer: asyncio.TimerHandle | None = None
@@ -438,26 +455,16 @@ class _Batcher:
 
     async def _send(self, items: list[_Item]) -> None:
         items = [item for item in items if not item.future.done()]  # a beat given up meanwhile
-        if len(items) > 1 and self.batches:
+        if len(items) > 1:
             try:
                 await self._send_batch(items)
                 return
-            except GenqError as error:
-                if error.code == grpc.StatusCode.UNIMPLEMENTED:
-                    log.info(
-                        "the service has no %s; sending %s one by one", self.batch, self.single
-                    )
-                    self.batches = False
-                elif error.code in SPLIT_CODES:
-                    log.info("%s refused (%s); sending its items one by one", self.batch, error)
-                else:
+            except Exception as error:
+                if not (isinstance(error, GenqError) and error.code in SPLIT_CODES):
                     for item in items:
                         _resolve(item.future, error=error)
                     return
-            except Exception as error:
-                for item in items:
-                    _resolve(item.future, error=error)
-                return
+                log.info("%s refused (%s); sending its items one by one", self.batch, error)
         await asyncio.gather(*(self._send_one(item) for item in items))
 
     async def _send_batch(self, items: list[_Item]) -> None:
@@ -566,8 +573,6 @@ class WorkerFleet:
             method: _Batcher(self, method, lambda result: result)
             for method in ("CompleteTask", "FailTask")
         }
-        self._claim_batches = True
-        """False once the service answered ClaimTasks UNIMPLEMENTED: claims go one by one."""
         self._tracer_provider = tracer_provider
         self._tracer = trace.get_tracer(__name__, tracer_provider=tracer_provider)
         self._traced = True
@@ -713,29 +718,31 @@ class WorkerFleet:
         return installed
 
     async def _register_tools(self) -> None:
-        """UpsertTool for each tool; waits out an unavailable service (it may start after us)."""
+        """UpsertTool for each tool; waits out an unavailable service (REGISTER)."""
+
+        def unavailable(error: Exception, tries: int, pause: float) -> None:
+            log.warning("service unavailable at %s; retrying", self.client.target)
+
         for lane in self._lanes.values():
-            delay = 0.1
-            while True:
-                try:
-                    response = await self.client.call(
-                        "UpsertTool", task_pb2.UpsertToolRequest(name=lane.name)
-                    )
-                except GenqError as error:
-                    if error.code != grpc.StatusCode.UNAVAILABLE:
-                        raise
-                    log.warning("service unavailable at %s; retrying", self.client.target)
-                    if await self._stopped_within(delay):
-                        return
-                    delay = min(delay * 2, 5.0)
-                    continue
-                lane.tool_id = response.tool.id
-                break
+            request = task_pb2.UpsertToolRequest(name=lane.name)
+            try:
+                response = await retry(
+                    REGISTER,
+                    functools.partial(self.client.call, "UpsertTool", request),
+                    retry_on=_unavailable,
+                    stop=self._stopping,
+                    on_retry=unavailable,
+                )
+            except GenqError as error:
+                if _unavailable(error) and self._stopping.is_set():
+                    return
+                raise
+            lane.tool_id = response.tool.id
 
     def _report_deadline(self) -> float:
         """How long a failing report may go on being tried, beyond its lease: once the drain
-        began, DRAIN_REPORT_SECONDS past its deadline (a stop with the service down waited the
-        whole lease, 120 s; found in review)."""
+        began, DRAIN_REPORT_SECONDS past its deadline, so that a stop with the service down
+        does not wait a whole lease."""
         if self._drain_deadline is None:
             return float("inf")
         return self._drain_deadline + DRAIN_REPORT_SECONDS
@@ -754,7 +761,7 @@ class WorkerFleet:
         if working:
             await asyncio.wait(working, timeout=max(0.0, deadline - loop.time()))
         unfinished = [run for lane in self._lanes.values() for run in lane.runs]
-        if running := sum(run.holds_slot for run in unfinished):  # not those only reporting
+        if running := sum(len(lane.running) for lane in self._lanes.values()):  # not reporting
             log.warning("drain timeout: releasing %d unfinished tasks", running)
         if unfinished:
             for run in unfinished:
@@ -765,32 +772,33 @@ class WorkerFleet:
     def _working(self) -> set[asyncio.Task[None]]:
         return {run.task for lane in self._lanes.values() for run in lane.runs if run.task}
 
-    async def _stopped_within(self, seconds: float) -> bool:
-        """Sleeps `seconds`, or less if stop is requested meanwhile; says whether it was."""
-        await _wait(self._stopping, seconds)
-        return self._stopping.is_set()
-
     # -- the poll loop --------------------------------------------------------------------------
 
     async def _poll(self, lane: _Lane) -> None:
-        failures = 0
+        policy = CLAIM.capped(self.poll_interval)
+
+        def failed(error: Exception, tries: int, pause: float) -> None:
+            log.warning("claim for %s failed (%s); retrying in %.1f s", lane.name, error, pause)
+
         while not self._stopping.is_set():
             lane.wake.clear()  # before the sweep, so a slot freed during it is not missed
-            free = lane.concurrency - lane.busy
-            if free <= 0:
+            if lane.free <= 0:
                 await _wait(lane.wake, AT_CAPACITY_BACKOFF_SECONDS)
                 continue
-            try:
-                claimed = await self._claim(lane, min(free, MAX_CLAIM_BATCH), self._park_seconds())
-                self._claimed(lane, *claimed)
-            except Exception as error:
-                # The loop must outlive any failure: the service may be restarting.
-                failures += 1
-                delay = min(self.poll_interval, 0.1 * 2**failures)
-                log.warning("claim for %s failed (%s); retrying in %.1f s", lane.name, error, delay)
-                await self._stopped_within(delay)
-            else:
-                failures = 0
+            # CLAIM tries a failed sweep until it answers: it gives up only once stop is asked.
+            with contextlib.suppress(Exception):
+                await retry(
+                    policy,
+                    functools.partial(self._sweep, lane),
+                    retry_on=lambda error: True,
+                    stop=self._stopping,
+                    on_retry=failed,
+                )
+
+    async def _sweep(self, lane: _Lane) -> None:
+        """Claims tasks for the lane's free slots, and starts working them."""
+        limit = min(lane.free, MAX_CLAIM_BATCH)
+        self._claimed(lane, *await self._claim(lane, limit, self._park_seconds()))
 
     def _span(
         self, name: str, *, context: otel_context.Context | None = None, **options: Any
@@ -798,8 +806,8 @@ class WorkerFleet:
         """`name` as the current span (under `context`'s span when given). With no tracer
         provider set up when the fleet started (OpenTelemetry's no-op default), a stand-in that
         does what the no-op span does (makes `context`'s span, the enqueuer's, current) for a
-        fraction of the CPU: the API's no-op spans took a seventh of the fleet's per task
-        (docs/BENCHMARKS.md, fifth round)."""
+        fraction of the CPU: the API's no-op spans cost about a seventh of the fleet's CPU per
+        task."""
         if self._traced:
             return self._tracer.start_as_current_span(name, context=context, **options)
         if context is None:
@@ -811,29 +819,21 @@ class WorkerFleet:
 
     async def _claim(
         self, lane: _Lane, limit: int, wait: float
-    ) -> tuple[list[task_pb2.ClaimedTask], float | None, trace.SpanContext]:
+    ) -> tuple[list[task_pb2.ClaimedTask], float, trace.SpanContext]:
         """One ClaimTasks for up to `limit` tasks (ClaimNextTask for one) that parks in the
         service for up to `wait` seconds; returns the tasks, the lease's length and the span."""
         park = duration_pb2.Duration()
         park.FromNanoseconds(int(wait * 1e9))
         timeout = wait + self.client.timeout
         with self._span(f"claim {lane.name}") as span:
-            claimed: list[task_pb2.ClaimedTask] | None = None
-            if limit > 1 and self._claim_batches:
+            if limit > 1:
                 request = task_pb2.ClaimTasksRequest(tool_id=lane.tool_id, limit=limit, wait=park)
-                try:
-                    many = await self.client.call("ClaimTasks", request, timeout=timeout)
-                except GenqError as error:
-                    if error.code != grpc.StatusCode.UNIMPLEMENTED:
-                        raise
-                    log.info("the service has no ClaimTasks; claiming one task at a time")
-                    self._claim_batches = False
-                else:
-                    claimed, lease = list(many.tasks), _lease_seconds(many)
-            if claimed is None:
+                many = await self.client.call("ClaimTasks", request, timeout=timeout)
+                claimed, lease = list(many.tasks), _lease_seconds(many, MIN_LEASE_SECONDS)
+            else:
                 single = task_pb2.ClaimNextTaskRequest(tool_id=lane.tool_id, wait=park)
                 one = await self.client.call("ClaimNextTask", single, timeout=timeout)
-                claimed, lease = [], _lease_seconds(one)
+                claimed, lease = [], _lease_seconds(one, MIN_LEASE_SECONDS)
                 if one.HasField("task"):
                     claimed.append(task_pb2.ClaimedTask(task=one.task, lease_token=one.lease_token))
             span.set_attribute("genq.claimed", bool(claimed))
@@ -846,16 +846,17 @@ class WorkerFleet:
         self,
         lane: _Lane,
         claimed: list[task_pb2.ClaimedTask],
-        lease: float | None,
+        lease: float,
         claim_span: trace.SpanContext,
     ) -> None:
         if not claimed:
             return
         loop = asyncio.get_running_loop()
+        lease_until = loop.time() + lease
         for item in claimed:
             ctx = TaskContext(self.client, lane.name, item.task, item.lease_token, loop)
-            run = _Run(lane, ctx, claim_span, loop.create_future(), lease=lease)
-            lane.busy += 1
+            run = _Run(lane, ctx, claim_span, loop.create_future(), lease, lease_until)
+            lane.running.add(run)
             lane.runs.add(run)
             run.task = asyncio.create_task(
                 self._execute(run), name=f"genq {lane.name} {ctx.task.id}"
@@ -868,14 +869,11 @@ class WorkerFleet:
     def _finished(self, run: _Run, _: asyncio.Task[None]) -> None:
         run.lane.runs.discard(run)
         self._free_slot(run)
-        run.lane.wake.set()
 
     def _free_slot(self, run: _Run) -> None:
         """The run's handler is done (or never ran): its lane may claim another task."""
-        if run.holds_slot:
-            run.holds_slot = False
-            run.lane.busy -= 1
-            run.lane.wake.set()
+        run.lane.running.discard(run)
+        run.lane.wake.set()
 
     # -- one task -------------------------------------------------------------------------------
 
@@ -899,7 +897,7 @@ class WorkerFleet:
             if self._past_drain_deadline():
                 # The drain's deadline passed while the claim came in (a claim parked at the
                 # stop) or was confirmed: hand it back unrun rather than run it and release it
-                # midway, for another worker to run again (found in review).
+                # midway, for another worker to run again.
                 await self._release(run)
                 return
             if run.ctx.is_cancel_requested:
@@ -943,37 +941,37 @@ class WorkerFleet:
         request = task_pb2.HeartbeatTaskRequest(task_id=ctx.task.id, lease_token=ctx.lease_token)
         loop = asyncio.get_running_loop()
         # Give up well inside the claim's lease: past it the beat could only hear LEASE_LOST.
-        deadline = loop.time() + (run.lease or MIN_LEASE_SECONDS) * 2 / 3
-        for attempt in range(CONFIRM_ATTEMPTS):
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                break
-            try:
-                response = await self._beats.call(
-                    request, timeout=min(self.client.timeout, remaining)
-                )
-            except GenqError as error:
-                if _lease_gone(error):
-                    log.warning(
-                        "task %s: claim not confirmed (%s); not running it",
-                        ctx.task.id,
-                        error.reason,
-                    )
-                    return False
-                if error.code not in CONFIRM_RETRIED_CODES:
-                    log.error(
-                        "task %s: claim not confirmed: %s; not running it", ctx.task.id, error
-                    )
-                    return False
-                log.warning("task %s: confirming the claim failed: %s", ctx.task.id, error)
-                pause = CONFIRM_RETRY_SECONDS * 2**attempt
-                await asyncio.sleep(max(0.0, min(pause, deadline - loop.time())))
-                continue
+        deadline = loop.time() + run.lease * 2 / 3
+
+        async def beat() -> Any:
+            timeout = min(self.client.timeout, max(0.001, deadline - loop.time()))
+            return await self._beats.call(request, timeout=timeout)
+
+        def failed(error: Exception, tries: int, pause: float) -> None:
+            log.warning("task %s: confirming the claim failed: %s", ctx.task.id, error)
+
+        # Policy "confirm", made here from its two settings (read when used: a test shortens them).
+        confirm = Policy("confirm", first=CONFIRM_RETRY_SECONDS, attempts=CONFIRM_ATTEMPTS)
+        try:
+            response = await retry(
+                confirm, beat, retry_on=_transient, deadline=deadline, on_retry=failed
+            )
+        except GenqError as error:
+            if _lease_gone(error):
+                why = error.reason
+                log.warning("task %s: claim not confirmed (%s); not running it", ctx.task.id, why)
+                return False
+            if not _transient(error):
+                log.error("task %s: claim not confirmed: %s; not running it", ctx.task.id, error)
+                return False
+            log.warning(
+                "task %s: could not confirm the claim (%s); not running it, handing it back",
+                ctx.task.id,
+                error,
+            )
+        else:
             self._beaten(run, response)
             return True
-        log.warning(
-            "task %s: could not confirm the claim; not running it, handing it back", ctx.task.id
-        )
         # One of the tries may have committed after all (its answer lost): the lease would then
         # count as confirmed and its lapse cost a retry for a run that never happened. A release
         # costs nothing either way; if it cannot get through either, the lease lapses.
@@ -1001,34 +999,35 @@ class WorkerFleet:
         """Beats now, then every `_beat_interval`, until cancelled or the lease is gone."""
         ctx = run.ctx
         request = task_pb2.HeartbeatTaskRequest(task_id=ctx.task.id, lease_token=ctx.lease_token)
+
+        def failed(error: Exception, tries: int, pause: float) -> None:
+            log.warning("task %s: heartbeat failed: %s", ctx.task.id, error)
+
         while True:
             interval = self._beat_interval(run)
+            # A beat that hangs must not outlive the next one.
+            timeout = min(self.client.timeout, max(interval, 1.0))
             try:
-                # A beat that hangs must not outlive the next one.
-                response = await self._beats.call(
-                    request, timeout=min(self.client.timeout, max(interval, 1.0))
+                response = await retry(
+                    HEARTBEAT.capped(interval),
+                    functools.partial(self._beats.call, request, timeout=timeout),
+                    retry_on=_lease_held,
+                    on_retry=failed,
                 )
-            except GenqError as error:
-                if _lease_gone(error):
-                    ctx._lose_lease(f"HeartbeatTask: {error.reason}")
-                    return
-                # The lease outlasts two beats; try again soon rather than a beat later.
-                log.warning("task %s: heartbeat failed: %s", ctx.task.id, error)
-                await asyncio.sleep(min(interval, 1.0))
-                continue
+            except GenqError as error:  # the lease is gone: every other answer is tried again
+                ctx._lose_lease(f"HeartbeatTask: {error.reason}")
+                return
             self._beaten(run, response)
             await asyncio.sleep(self._beat_interval(run))
 
     def _beat_interval(self, run: _Run) -> float:
         """min(heartbeat_interval, lease / 3): two beats may fail before the lease lapses."""
-        if run.lease is None:
-            return self.heartbeat_interval
         return min(self.heartbeat_interval, run.lease / 3)
 
     def _beaten(self, run: _Run, response: task_pb2.HeartbeatTaskResponse) -> None:
         """Takes in a heartbeat's answer: the lease's length, and a cancel request."""
-        run.lease = _lease_seconds(response) or run.lease
-        run.lease_until = asyncio.get_running_loop().time() + (run.lease or MIN_LEASE_SECONDS)
+        run.lease = _lease_seconds(response, run.lease)
+        run.lease_until = asyncio.get_running_loop().time() + run.lease
         if not response.cancel_requested or not run.ctx._request_cancel():
             return
         # A thread cannot be interrupted: a sync handler sees ctx.cancel_requested and returns,
@@ -1126,60 +1125,58 @@ class WorkerFleet:
     async def _report(self, run: _Run, what: str, request: Message) -> GenqError | None:
         """Sends the write that ends this worker's hold on the task (CompleteTask, FailTask or
         ReleaseTask) in a span named `what`; returns the error that refused it, if any.
-        CompleteTask and FailTask go in a batch; one that answers UNAVAILABLE or runs out of time
-        is retried (in the next)."""
+        CompleteTask and FailTask go in a batch; a failure is tried again as REPORT says (in
+        the next batch)."""
         method = type(request).__name__.removesuffix("Request")
         ctx = run.ctx
         batcher = self._reports.get(method)
-        loop = asyncio.get_running_loop()
-        give_up = run.lease_until or loop.time() + (run.lease or MIN_LEASE_SECONDS)
+        send: Callable[[], Awaitable[Any]] = (
+            functools.partial(self.client.call, method, request)
+            if batcher is None
+            else functools.partial(batcher.call, request)
+        )
+
+        def failed(error: Exception, tries: int, pause: float) -> None:
+            if tries == 1:
+                log.warning(
+                    "task %s: %s failed: %s; trying again until its lease ends",
+                    ctx.task.id,
+                    method,
+                    error,
+                )
+
         with self._span(f"{what} {run.lane.name}"):
-            attempt = 0
-            while True:
-                try:
-                    if batcher is None:
-                        response = await self.client.call(method, request)
-                    else:
-                        response = await batcher.call(request)
-                except GenqError as error:
-                    if _lease_gone(error):
-                        ctx.lease_lost.set()
-                        log.warning(
-                            "task %s: %s refused (%s); result dropped",
-                            ctx.task.id,
-                            method,
-                            error.reason,
-                        )
-                        return error
-                    # A report repeated under its lease gets the same answer, so one whose answer
-                    # did not come in time is as safe to send again as one refused UNAVAILABLE.
-                    pause = min(REPORT_RETRY_MAX_SECONDS, 0.2 * 2**attempt)
-                    if error.code not in REPORT_RETRIED_CODES or loop.time() + pause >= min(
-                        give_up, self._report_deadline()
-                    ):
-                        log.error(
-                            "task %s: %s failed: %s (if it did not commit, the lease lapses and "
-                            "the task runs again)",
-                            ctx.task.id,
-                            method,
-                            error,
-                        )
-                        return error
-                    if attempt == 0:
-                        log.warning(
-                            "task %s: %s failed: %s; trying again until its lease ends",
-                            ctx.task.id,
-                            method,
-                            error,
-                        )
-                    attempt += 1
-                    await asyncio.sleep(pause)
-                    continue
-                if response.task.status == task_pb2.TASK_STATUS_CANCELLED:
-                    # A cancel was asked for while the task ran: whatever was reported, the run
-                    # ended cancelled, with its cost.
-                    log.info("task %s: cancelled while running; cost recorded", ctx.task.id)
-                return None
+            try:
+                response = await retry(
+                    REPORT,
+                    send,
+                    retry_on=_transient,
+                    deadline=lambda: min(run.lease_until, self._report_deadline()),
+                    on_retry=failed,
+                )
+            except GenqError as error:
+                if _lease_gone(error):
+                    ctx.lease_lost.set()
+                    log.warning(
+                        "task %s: %s refused (%s); result dropped",
+                        ctx.task.id,
+                        method,
+                        error.reason,
+                    )
+                else:
+                    log.error(
+                        "task %s: %s failed: %s (if it did not commit, the lease lapses and the "
+                        "task runs again)",
+                        ctx.task.id,
+                        method,
+                        error,
+                    )
+                return error
+            if response.task.status == task_pb2.TASK_STATUS_CANCELLED:
+                # A cancel was asked for while the task ran: whatever was reported, the run
+                # ended cancelled, with its cost.
+                log.info("task %s: cancelled while running; cost recorded", ctx.task.id)
+            return None
 
 
 def _fail_request(
@@ -1206,12 +1203,11 @@ def _lease_seconds(
     response: task_pb2.ClaimNextTaskResponse
     | task_pb2.ClaimTasksResponse
     | task_pb2.HeartbeatTaskResponse,
-) -> float | None:
-    """The lease's length an answer gives, in seconds; None when it gives none (older service)."""
-    if not response.HasField("lease"):
-        return None
+    unsaid: float,
+) -> float:
+    """The lease's length an answer gives, in seconds; `unsaid` when it gives none."""
     seconds = response.lease.ToNanoseconds() / 1e9
-    return seconds if seconds > 0 else None
+    return seconds if seconds > 0 else unsaid
 
 
 def _refusal(method: str, reason: str) -> GenqError:
@@ -1243,6 +1239,20 @@ def _resolve(
 def _lease_gone(error: GenqError) -> bool:
     """The service says this worker can no longer write the task (or the task is gone)."""
     return isinstance(error, LeaseLost) or error.reason is Reason.TASK_NOT_FOUND
+
+
+def _lease_held(error: Exception) -> bool:
+    """A call failed, but not because the lease is gone (what HEARTBEAT tries again)."""
+    return isinstance(error, GenqError) and not _lease_gone(error)
+
+
+def _transient(error: Exception) -> bool:
+    """The call may not have reached the service (RETRIED_CODES)."""
+    return isinstance(error, GenqError) and error.code in RETRIED_CODES
+
+
+def _unavailable(error: Exception) -> bool:
+    return isinstance(error, GenqError) and error.code == grpc.StatusCode.UNAVAILABLE
 
 
 _UNTRACED = contextlib.nullcontext(trace.INVALID_SPAN)

@@ -1,9 +1,8 @@
-"""What a `genq` command is, and what the operators' commands share: the exit codes, the errors
-that choose them, the options every client command takes, and the calls most of them make (one
-RPC, the answer printed, a tool found by id or name).
+"""What the operators' commands share: the options every client command takes, and the calls
+most of them make (one RPC, the answer printed, a tool found by id or name).
 
-A command is a `Command` in some module's COMMANDS table; `workers_sdk/cli/program.py` builds
-the parser from the tables.
+A command is a `Command` (workers_sdk/commands.py) in some topic module's COMMANDS table;
+`workers_sdk/cli/program.py` builds the parser from the tables.
 """
 
 from __future__ import annotations
@@ -11,43 +10,13 @@ from __future__ import annotations
 import argparse
 import os
 import uuid
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from generation.task.v1 import task_pb2 as pb
 from workers_sdk.cli import render
 from workers_sdk.client import DEFAULT_TARGET, Credentials
+from workers_sdk.commands import CommandError, arg
 from workers_sdk.errors import GenqError, Reason
-
-DONE, ERROR, USAGE, DISABLED, CAPPED = 0, 1, 2, 3, 4
-
-
-class UsageError(Exception):
-    """Bad usage found after parsing (exit 2)."""
-
-
-class CommandError(Exception):
-    """The command could not be done (exit 1)."""
-
-
-Argument = tuple[tuple[str, ...], dict[str, Any]]
-
-
-def arg(spec: str, help: str | None = None, **options: Any) -> Argument:
-    """An argument from "NAME", "--flag" or "--option METAVAR" (a positional's metavar: its
-    name in capitals), its help, and argparse's other options."""
-    name, _, metavar = spec.partition(" ")
-    if metavar:
-        options["metavar"] = metavar
-    elif not name.startswith("-") and "choices" not in options:
-        options["metavar"] = name.upper()
-    return (name,), {"help": help, **options}
-
-
-def flag(spec: str, help: str) -> Argument:
-    return arg(spec, help, action="store_true")
-
 
 TOOL_ID = "a tool id or name"
 
@@ -58,20 +27,6 @@ CONNECTION = [
     arg("--tls-client-key-file PEM", "its key (GENQ_TLS_CLIENT_KEY_FILE)"),
 ]
 """How every client command reaches a secured service."""
-
-
-@dataclass(frozen=True)
-class Command:
-    name: str
-    run: Callable[[argparse.Namespace], Awaitable[int]] | Callable[[argparse.Namespace], int]
-    help: str
-    description: str
-    arguments: list[Argument] = field(default_factory=list)
-    client: bool = True
-    """A gRPC client of the service: --target, --format and the connection options, a channel
-    opened for it (`args.client`), and errors exit 1."""
-    takes_anything: bool = False
-    """Runs whatever follows its name (a stand-in for a command this install lacks)."""
 
 
 def target(args: argparse.Namespace) -> str:

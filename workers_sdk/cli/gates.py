@@ -9,20 +9,10 @@ from typing import Any
 
 from generation.task.v1 import task_pb2 as pb
 from workers_sdk.cli import render
-from workers_sdk.cli.command import (
-    CAPPED,
-    DISABLED,
-    DONE,
-    TOOL_ID,
-    Command,
-    UsageError,
-    answer,
-    arg,
-    call,
-    find_tool,
-    flag,
-)
+from workers_sdk.cli.command import TOOL_ID, answer, call, find_tool
 from workers_sdk.cli.values import amount, count, whole
+from workers_sdk.commands import CAPPED, DISABLED, DONE, Command, UsageError, arg, flag
+from workers_sdk.money import money
 
 SETTING_OPTIONS = (
     "timezone",
@@ -97,7 +87,7 @@ async def cmd_cap(args: argparse.Namespace) -> int:
         done = await call(args, "ConfigureTool", per_tool)
         stored_tool = done.tool
         cap = (
-            render.money(stored_tool.daily_cap_nanos)
+            money(stored_tool.daily_cap_nanos)
             if stored_tool.HasField("daily_cap_nanos")
             else "none"
         )
@@ -111,7 +101,7 @@ async def cmd_cap(args: argparse.Namespace) -> int:
     done = await call(args, "UpdateSettings", request)
     stored = done.settings
     cap = (
-        render.money(stored.daily_cap_nanos, stored.currency)
+        money(stored.daily_cap_nanos, stored.currency)
         if stored.HasField("daily_cap_nanos")
         else "none (nothing runs)"
     )

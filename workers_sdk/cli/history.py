@@ -6,8 +6,9 @@ import argparse
 
 from generation.task.v1 import task_pb2 as pb
 from workers_sdk.cli import render
-from workers_sdk.cli.command import DONE, Command, answer, arg, call
+from workers_sdk.cli.command import answer, call
 from workers_sdk.cli.values import INT64_MAX, whole
+from workers_sdk.commands import DONE, Command, arg
 
 
 async def cmd_stats(args: argparse.Namespace) -> int:

@@ -2,9 +2,10 @@
 chosen command and turns what went wrong into an exit code.
 
 The operators' commands (the topic modules here) are always there: they are gRPC clients and
-need the SDK alone. The service's own commands (serve, migrate, token) come from service/cli.py,
-which imports only where the service is installed (`pip install 'genq[service]'`); elsewhere
-each is a stand-in that says what to install.
+need the SDK alone. The service's own commands (serve, migrate, token) are service/cli.py's
+table, found through the entry-point group COMMAND_GROUP (workers_sdk/commands.py) and never
+imported by name: that module imports only where the service is installed
+(`pip install 'genq[service]'`); elsewhere each is a stand-in that says what to install.
 """
 
 from __future__ import annotations
@@ -14,19 +15,19 @@ import asyncio
 import logging
 import sys
 import textwrap
+from importlib.metadata import entry_points
 
 from workers_sdk.cli import gates, history, reconcile, resources, tasks
-from workers_sdk.cli.command import (
-    CONNECTION,
+from workers_sdk.cli.command import CONNECTION, credentials, target
+from workers_sdk.client import GenqClient
+from workers_sdk.commands import (
+    COMMAND_GROUP,
     ERROR,
     USAGE,
     Command,
     CommandError,
     UsageError,
-    credentials,
-    target,
 )
-from workers_sdk.client import GenqClient
 from workers_sdk.errors import GenqError
 
 WIDTH = 96  # help text is wrapped to this; the epilog is written to fit it
@@ -50,7 +51,7 @@ SERVICE_COMMANDS = {
     "migrate": "migrates the service's database",
     "token": "makes, lists and revokes tokens on the service host",
 }
-"""What service/cli.py's commands do, for their stand-ins where the service is not installed."""
+"""What the service's commands do, for their stand-ins where the service is not installed."""
 
 
 def commands() -> list[Command]:
@@ -66,17 +67,18 @@ def commands() -> list[Command]:
 
 
 SERVICE_IMPORTS = ("service", "psycopg", "alembic")
-"""What service/cli.py needs to import: the package, and the libraries it checks for."""
+"""What loading the service's commands needs: the package, and the libraries it checks for."""
 
 
 def service_commands() -> list[Command]:
+    """The commands of the COMMAND_GROUP entry points (the service's), loaded as the program
+    starts; stand-ins for the service's where its libraries are not installed."""
     try:
-        from service.cli import COMMANDS
+        return [command for point in entry_points(group=COMMAND_GROUP) for command in point.load()]
     except ImportError as missing:
         if (missing.name or "").partition(".")[0] not in SERVICE_IMPORTS:
             raise  # not an install without the service: a broken one, to be seen
         return [_stand_in(name, what, missing) for name, what in SERVICE_COMMANDS.items()]
-    return list(COMMANDS)
 
 
 def _stand_in(name: str, what: str, missing: ImportError) -> Command:

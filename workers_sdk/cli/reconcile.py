@@ -8,8 +8,9 @@ import logging
 import os
 import signal
 
-from workers_sdk.cli.command import CONNECTION, DONE, ERROR, Command, arg, credentials, flag, target
+from workers_sdk.cli.command import CONNECTION, credentials, target
 from workers_sdk.client import Credentials, GenqClient
+from workers_sdk.commands import DONE, ERROR, Command, arg, flag
 from workers_sdk.errors import GenqError
 from workers_sdk.reconciler import Reconciler, describe
 

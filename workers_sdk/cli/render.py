@@ -1,16 +1,11 @@
-"""How `genq` prints answers: each message as JSON, or as text (tables, money in currency units,
-times in UTC).
-
-Nanos are printed with at least two decimals (2500000000 -> "2.50", 1234567891 ->
-"1.234567891"), through `Decimal`, never a float.
-"""
+"""How `genq` prints answers: each message as JSON, or as text (tables, money in currency units
+through workers_sdk/money.py, times in UTC)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
-from decimal import Decimal
 from typing import Any
 
 from google.protobuf import json_format
@@ -18,6 +13,8 @@ from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from generation.task.v1 import task_pb2
+from workers_sdk.commands import table
+from workers_sdk.money import money
 
 
 def as_json(message: Message) -> str:
@@ -27,17 +24,6 @@ def as_json(message: Message) -> str:
         message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
     return json.dumps(document, indent=2, sort_keys=True)
-
-
-def money(nanos: int, currency: str = "", *, grouped: bool = False) -> str:
-    """Integer nanos as a decimal amount of the currency unit, at least two decimals and more
-    when the amount has them, never rounded: 2500000000 -> "2.50". `grouped` separates the
-    thousands (1,234.50), for people rather than for commands to read back."""
-    whole, _, fraction = f"{Decimal(nanos).scaleb(-9):f}".partition(".")
-    if grouped:
-        whole = f"{int(whole):,}" if whole != "-0" else whole
-    text = f"{whole}.{fraction.rstrip('0').ljust(2, '0')}"
-    return f"{text} {currency}" if currency else text
 
 
 def when(stamp: Timestamp) -> str:
@@ -74,16 +60,6 @@ def duration(seconds: float) -> str:
 
 def status_name(value: Any) -> str:
     return task_pb2.TaskStatus.Name(value).removeprefix("TASK_STATUS_").lower()
-
-
-def table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
-    """Left-aligned columns, two spaces apart."""
-    cells = [list(headers), *([str(cell) for cell in row] for row in rows)]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    return "\n".join(
-        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        for row in cells
-    )
 
 
 def _cap(message: Any, field: str = "daily_cap_nanos", currency: str = "") -> str:

@@ -8,21 +8,12 @@ import argparse
 
 from generation.task.v1 import task_pb2 as pb
 from workers_sdk.cli import render
-from workers_sdk.cli.command import (
-    DONE,
-    TOOL_ID,
-    Command,
-    UsageError,
-    answer,
-    arg,
-    call,
-    find_tool,
-    flag,
-)
+from workers_sdk.cli.command import TOOL_ID, answer, call, find_tool
 from workers_sdk.cli.values import amount, whole
+from workers_sdk.commands import DONE, Command, UsageError, arg, flag
 
 MAX_IN_FLIGHT = 100_000
-"""The highest concurrency limit the service takes (MAX_IN_FLIGHT in service/rpcs.py)."""
+"""The highest concurrency limit the service takes (MAX_IN_FLIGHT in service/api/rpcs.py)."""
 in_flight = whole(1, MAX_IN_FLIGHT)
 
 TOOL_SETTINGS = (

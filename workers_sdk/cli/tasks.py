@@ -8,19 +8,9 @@ import sys
 
 from generation.task.v1 import task_pb2 as pb
 from workers_sdk.cli import render
-from workers_sdk.cli.command import (
-    DONE,
-    TOOL_ID,
-    Command,
-    UsageError,
-    answer,
-    arg,
-    call,
-    find_tool,
-    flag,
-    tool_names,
-)
+from workers_sdk.cli.command import TOOL_ID, answer, call, find_tool, tool_names
 from workers_sdk.cli.values import INT64_MAX, amount, count, json_object, moment, task_id, whole
+from workers_sdk.commands import DONE, Command, UsageError, arg, flag
 
 STATUSES = ("queued", "dispatched", "processing", "completed", "failed", "cancelled", "expired")
 DEFAULT_PAGE = 50

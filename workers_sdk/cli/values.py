@@ -1,5 +1,5 @@
 """How `genq` reads values from its command line: money in currency units, whole numbers within
-the range of the field they fill, task ids, JSON objects, times and durations.
+the range of the field they fill, task ids, JSON objects and times.
 
 A value that does not parse, or that its field cannot hold, is an argparse error: bad usage, exit
 2, nothing sent, and said in the units the user typed (an amount in currency units, never in
@@ -19,9 +19,9 @@ from typing import Any
 
 NANOS = Decimal(1_000_000_000)
 MAX_AMOUNT_NANOS = 10**17
-"""The most the service takes for a cap or a cost estimate (MAX_AMOUNT in service/validation.py):
-100 million currency units. Checked here too, so that a larger one is bad usage before anything
-is sent; beyond int64 it could not even be put in the request."""
+"""The most the service takes for a cap or a cost estimate (MAX_AMOUNT in
+service/api/validation.py): 100 million currency units. Checked here too, so that a larger one is
+bad usage before anything is sent; beyond int64 it could not even be put in the request."""
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 
@@ -107,24 +107,3 @@ def moment(value: str) -> datetime:
             f"not an ISO 8601 time (up to the year 9999) or +SECONDS: {value!r}"
         ) from None
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
-
-
-SPAN_UNITS = {"s": 1, "m": 60, "h": 3_600, "d": 86_400}
-MAX_SPAN_SECONDS = 100 * 365 * 86_400
-"""A century: longer is surely a typo, and far longer overflows the dates it is added to."""
-
-
-def span(value: str) -> int:
-    """A duration in seconds from 90, 90s, 15m, 12h or 30d."""
-    number, unit = (value[:-1], value[-1]) if value[-1:] in SPAN_UNITS else (value, "s")
-    try:
-        seconds = int(number) * SPAN_UNITS[unit]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"not a duration (90s, 15m, 12h, 30d): {value!r}"
-        ) from None
-    if seconds <= 0:
-        raise argparse.ArgumentTypeError(f"must be above 0: {value!r}")
-    if seconds > MAX_SPAN_SECONDS:
-        raise argparse.ArgumentTypeError(f"must be at most 100 years: {value!r}")
-    return seconds

@@ -1083,8 +1083,8 @@ class ReportResult(_message.Message):
         """The task after the report, in brief: its id, tool_id, status, error, retry_count,
         max_retries, attempt_count, run_at (when it runs again, if requeued) and completed_at;
         GetTask reads the rest. Unset when refused. A worker acts on the status alone, and echoing
-        every whole task back (its input and the output just sent) took 3.9 of the 8.5 ms of service
-        CPU a CompleteTasks of 100 cost (docs/BENCHMARKS.md, sixth round).
+        every whole task back (its input and the output just sent) would take near half the
+        service's CPU of a CompleteTasks of 100.
         """
 
     def __init__(

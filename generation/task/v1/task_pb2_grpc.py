@@ -265,7 +265,7 @@ class GenerationDataServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ClaimNextTask(self, request, context):
-        """Claims the next task of a tool (generation.claim_tasks_v4 with a limit of 1: one UPDATE of
+        """Claims the next task of a tool (generation.claim_tasks_v1 with a limit of 1: one UPDATE of
         the row a locked, index-ordered sub-select picked, in one statement with its gates when no
         money moves). With `wait`, a claim that finds nothing
         parks in the service until a task for the tool is committed (woken in-process, or through
@@ -275,7 +275,7 @@ class GenerationDataServiceServicer:
         are used up are never claimed. A claim costs no retry: a run is charged when it ends
         unsuccessfully, and only once its worker confirmed the claim (its first heartbeat, event or
         report). When the caller's deadline passes before the answer leaves, the service hands the
-        task straight back (release_task_v2 with p_unconfirmed); an answer lost on the way costs
+        task straight back (release_task_v1 with p_unconfirmed); an answer lost on the way costs
         nothing either: the unconfirmed lease lapses and the task is queued again, first in line.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -303,11 +303,11 @@ class GenerationDataServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def FailTask(self, request, context):
-        """Fails a held task (generation.fail_task_v2): retryable requeues it with full-jitter backoff
+        """Fails a held task (generation.fail_task_v1): retryable requeues it with full-jitter backoff
         while retries remain (one retry used) and fails it once they are used up; permanent fails it
         at once; account requeues it without using a retry and holds the group; cancelled ends it.
         The reaper presents no token: then the task must be stale at this moment (judged under its
-        row lock by generation.stale_reason_v2 with the stored thresholds), so a forced fail can
+        row lock by generation.stale_reason_v1 with the stored thresholds), so a forced fail can
         never kill a live or deliberately waiting task; a refused forced fail is FAILED_PRECONDITION
         with reason TASK_NOT_STALE. Appends a `failed` (terminal) or `requeued` event.
         """
@@ -316,7 +316,7 @@ class GenerationDataServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ClaimTasks(self, request, context):
-        """Claims up to `limit` tasks of a tool in one call (generation.claim_tasks_v4): in claim order,
+        """Claims up to `limit` tasks of a tool in one call (generation.claim_tasks_v1): in claim order,
         spend admitted task by task, stopping at the first the caps have no room for, or when the
         tool is at its max_in_flight; tasks whose resource key is at its limit are passed over
         (IDLE_REASON_BUSY when that leaves nothing). `wait` as in
@@ -329,7 +329,7 @@ class GenerationDataServiceServicer:
 
     def HeartbeatTasks(self, request, context):
         """Extends many leases in one call, each fenced by its own token, with a result per item in
-        request order (heartbeat_tasks_v2: the tasks locked in id order, so that two batches never
+        request order (heartbeat_tasks_v1: the tasks locked in id order, so that two batches never
         wait on each other in a cycle, then every held lease extended in one statement).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -495,8 +495,8 @@ class GenerationDataServiceServicer:
 
     def ListStaleTasks(self, request, context):
         """The watchdog's list: tasks that can never finish on their own (see StaleReason), judged by
-        generation.stale_reason_v2 with the stored thresholds (Settings). The WHERE clause is only
-        what stale_reason_v2 implies (generation.unattended_tools_v1 for queued tasks), so the rows
+        generation.stale_reason_v1 with the stored thresholds (Settings). The WHERE clause is only
+        what stale_reason_v1 implies (generation.unattended_tools_v1 for queued tasks), so the rows
         it is asked about are few; OFFSET 0 keeps the planner from asking it about every row first.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -71,7 +71,7 @@ class GenerationDataServiceStub:
     arrays (3.5 against 0.5 ms); the ids come back as text, not as UUID objects made and printed.
     """
     ClaimNextTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.ClaimNextTaskRequest, _task_pb2.ClaimNextTaskResponse]
-    """Claims the next task of a tool (generation.claim_tasks_v4 with a limit of 1: one UPDATE of
+    """Claims the next task of a tool (generation.claim_tasks_v1 with a limit of 1: one UPDATE of
     the row a locked, index-ordered sub-select picked, in one statement with its gates when no
     money moves). With `wait`, a claim that finds nothing
     parks in the service until a task for the tool is committed (woken in-process, or through
@@ -81,7 +81,7 @@ class GenerationDataServiceStub:
     are used up are never claimed. A claim costs no retry: a run is charged when it ends
     unsuccessfully, and only once its worker confirmed the claim (its first heartbeat, event or
     report). When the caller's deadline passes before the answer leaves, the service hands the
-    task straight back (release_task_v2 with p_unconfirmed); an answer lost on the way costs
+    task straight back (release_task_v1 with p_unconfirmed); an answer lost on the way costs
     nothing either: the unconfirmed lease lapses and the task is queued again, first in line.
     """
     HeartbeatTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.HeartbeatTaskRequest, _task_pb2.HeartbeatTaskResponse]
@@ -97,16 +97,16 @@ class GenerationDataServiceStub:
     the task as it is now.
     """
     FailTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.FailTaskRequest, _task_pb2.FailTaskResponse]
-    """Fails a held task (generation.fail_task_v2): retryable requeues it with full-jitter backoff
+    """Fails a held task (generation.fail_task_v1): retryable requeues it with full-jitter backoff
     while retries remain (one retry used) and fails it once they are used up; permanent fails it
     at once; account requeues it without using a retry and holds the group; cancelled ends it.
     The reaper presents no token: then the task must be stale at this moment (judged under its
-    row lock by generation.stale_reason_v2 with the stored thresholds), so a forced fail can
+    row lock by generation.stale_reason_v1 with the stored thresholds), so a forced fail can
     never kill a live or deliberately waiting task; a refused forced fail is FAILED_PRECONDITION
     with reason TASK_NOT_STALE. Appends a `failed` (terminal) or `requeued` event.
     """
     ClaimTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.ClaimTasksRequest, _task_pb2.ClaimTasksResponse]
-    """Claims up to `limit` tasks of a tool in one call (generation.claim_tasks_v4): in claim order,
+    """Claims up to `limit` tasks of a tool in one call (generation.claim_tasks_v1): in claim order,
     spend admitted task by task, stopping at the first the caps have no room for, or when the
     tool is at its max_in_flight; tasks whose resource key is at its limit are passed over
     (IDLE_REASON_BUSY when that leaves nothing). `wait` as in
@@ -115,7 +115,7 @@ class GenerationDataServiceStub:
     """
     HeartbeatTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.HeartbeatTasksRequest, _task_pb2.HeartbeatTasksResponse]
     """Extends many leases in one call, each fenced by its own token, with a result per item in
-    request order (heartbeat_tasks_v2: the tasks locked in id order, so that two batches never
+    request order (heartbeat_tasks_v1: the tasks locked in id order, so that two batches never
     wait on each other in a cycle, then every held lease extended in one statement).
     """
     CompleteTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.CompleteTasksRequest, _task_pb2.CompleteTasksResponse]
@@ -203,8 +203,8 @@ class GenerationDataServiceStub:
     """Attempts and cost per local day and tool, from the attempts ledger."""
     ListStaleTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.ListStaleTasksRequest, _task_pb2.ListStaleTasksResponse]
     """The watchdog's list: tasks that can never finish on their own (see StaleReason), judged by
-    generation.stale_reason_v2 with the stored thresholds (Settings). The WHERE clause is only
-    what stale_reason_v2 implies (generation.unattended_tools_v1 for queued tasks), so the rows
+    generation.stale_reason_v1 with the stored thresholds (Settings). The WHERE clause is only
+    what stale_reason_v1 implies (generation.unattended_tools_v1 for queued tasks), so the rows
     it is asked about are few; OFFSET 0 keeps the planner from asking it about every row first.
     """
     GetTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.GetTaskRequest, _task_pb2.GetTaskResponse]
@@ -274,7 +274,7 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     arrays (3.5 against 0.5 ms); the ids come back as text, not as UUID objects made and printed.
     """
     ClaimNextTask: _aio.UnaryUnaryMultiCallable[_task_pb2.ClaimNextTaskRequest, _task_pb2.ClaimNextTaskResponse]  # type: ignore[assignment]
-    """Claims the next task of a tool (generation.claim_tasks_v4 with a limit of 1: one UPDATE of
+    """Claims the next task of a tool (generation.claim_tasks_v1 with a limit of 1: one UPDATE of
     the row a locked, index-ordered sub-select picked, in one statement with its gates when no
     money moves). With `wait`, a claim that finds nothing
     parks in the service until a task for the tool is committed (woken in-process, or through
@@ -284,7 +284,7 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     are used up are never claimed. A claim costs no retry: a run is charged when it ends
     unsuccessfully, and only once its worker confirmed the claim (its first heartbeat, event or
     report). When the caller's deadline passes before the answer leaves, the service hands the
-    task straight back (release_task_v2 with p_unconfirmed); an answer lost on the way costs
+    task straight back (release_task_v1 with p_unconfirmed); an answer lost on the way costs
     nothing either: the unconfirmed lease lapses and the task is queued again, first in line.
     """
     HeartbeatTask: _aio.UnaryUnaryMultiCallable[_task_pb2.HeartbeatTaskRequest, _task_pb2.HeartbeatTaskResponse]  # type: ignore[assignment]
@@ -300,16 +300,16 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     the task as it is now.
     """
     FailTask: _aio.UnaryUnaryMultiCallable[_task_pb2.FailTaskRequest, _task_pb2.FailTaskResponse]  # type: ignore[assignment]
-    """Fails a held task (generation.fail_task_v2): retryable requeues it with full-jitter backoff
+    """Fails a held task (generation.fail_task_v1): retryable requeues it with full-jitter backoff
     while retries remain (one retry used) and fails it once they are used up; permanent fails it
     at once; account requeues it without using a retry and holds the group; cancelled ends it.
     The reaper presents no token: then the task must be stale at this moment (judged under its
-    row lock by generation.stale_reason_v2 with the stored thresholds), so a forced fail can
+    row lock by generation.stale_reason_v1 with the stored thresholds), so a forced fail can
     never kill a live or deliberately waiting task; a refused forced fail is FAILED_PRECONDITION
     with reason TASK_NOT_STALE. Appends a `failed` (terminal) or `requeued` event.
     """
     ClaimTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.ClaimTasksRequest, _task_pb2.ClaimTasksResponse]  # type: ignore[assignment]
-    """Claims up to `limit` tasks of a tool in one call (generation.claim_tasks_v4): in claim order,
+    """Claims up to `limit` tasks of a tool in one call (generation.claim_tasks_v1): in claim order,
     spend admitted task by task, stopping at the first the caps have no room for, or when the
     tool is at its max_in_flight; tasks whose resource key is at its limit are passed over
     (IDLE_REASON_BUSY when that leaves nothing). `wait` as in
@@ -318,7 +318,7 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     """
     HeartbeatTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.HeartbeatTasksRequest, _task_pb2.HeartbeatTasksResponse]  # type: ignore[assignment]
     """Extends many leases in one call, each fenced by its own token, with a result per item in
-    request order (heartbeat_tasks_v2: the tasks locked in id order, so that two batches never
+    request order (heartbeat_tasks_v1: the tasks locked in id order, so that two batches never
     wait on each other in a cycle, then every held lease extended in one statement).
     """
     CompleteTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.CompleteTasksRequest, _task_pb2.CompleteTasksResponse]  # type: ignore[assignment]
@@ -406,8 +406,8 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     """Attempts and cost per local day and tool, from the attempts ledger."""
     ListStaleTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.ListStaleTasksRequest, _task_pb2.ListStaleTasksResponse]  # type: ignore[assignment]
     """The watchdog's list: tasks that can never finish on their own (see StaleReason), judged by
-    generation.stale_reason_v2 with the stored thresholds (Settings). The WHERE clause is only
-    what stale_reason_v2 implies (generation.unattended_tools_v1 for queued tasks), so the rows
+    generation.stale_reason_v1 with the stored thresholds (Settings). The WHERE clause is only
+    what stale_reason_v1 implies (generation.unattended_tools_v1 for queued tasks), so the rows
     it is asked about are few; OFFSET 0 keeps the planner from asking it about every row first.
     """
     GetTask: _aio.UnaryUnaryMultiCallable[_task_pb2.GetTaskRequest, _task_pb2.GetTaskResponse]  # type: ignore[assignment]
@@ -498,7 +498,7 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _task_pb2.ClaimNextTaskRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.ClaimNextTaskResponse, _abc.Awaitable[_task_pb2.ClaimNextTaskResponse]]:
-        """Claims the next task of a tool (generation.claim_tasks_v4 with a limit of 1: one UPDATE of
+        """Claims the next task of a tool (generation.claim_tasks_v1 with a limit of 1: one UPDATE of
         the row a locked, index-ordered sub-select picked, in one statement with its gates when no
         money moves). With `wait`, a claim that finds nothing
         parks in the service until a task for the tool is committed (woken in-process, or through
@@ -508,7 +508,7 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         are used up are never claimed. A claim costs no retry: a run is charged when it ends
         unsuccessfully, and only once its worker confirmed the claim (its first heartbeat, event or
         report). When the caller's deadline passes before the answer leaves, the service hands the
-        task straight back (release_task_v2 with p_unconfirmed); an answer lost on the way costs
+        task straight back (release_task_v1 with p_unconfirmed); an answer lost on the way costs
         nothing either: the unconfirmed lease lapses and the task is queued again, first in line.
         """
 
@@ -542,11 +542,11 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _task_pb2.FailTaskRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.FailTaskResponse, _abc.Awaitable[_task_pb2.FailTaskResponse]]:
-        """Fails a held task (generation.fail_task_v2): retryable requeues it with full-jitter backoff
+        """Fails a held task (generation.fail_task_v1): retryable requeues it with full-jitter backoff
         while retries remain (one retry used) and fails it once they are used up; permanent fails it
         at once; account requeues it without using a retry and holds the group; cancelled ends it.
         The reaper presents no token: then the task must be stale at this moment (judged under its
-        row lock by generation.stale_reason_v2 with the stored thresholds), so a forced fail can
+        row lock by generation.stale_reason_v1 with the stored thresholds), so a forced fail can
         never kill a live or deliberately waiting task; a refused forced fail is FAILED_PRECONDITION
         with reason TASK_NOT_STALE. Appends a `failed` (terminal) or `requeued` event.
         """
@@ -557,7 +557,7 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _task_pb2.ClaimTasksRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.ClaimTasksResponse, _abc.Awaitable[_task_pb2.ClaimTasksResponse]]:
-        """Claims up to `limit` tasks of a tool in one call (generation.claim_tasks_v4): in claim order,
+        """Claims up to `limit` tasks of a tool in one call (generation.claim_tasks_v1): in claim order,
         spend admitted task by task, stopping at the first the caps have no room for, or when the
         tool is at its max_in_flight; tasks whose resource key is at its limit are passed over
         (IDLE_REASON_BUSY when that leaves nothing). `wait` as in
@@ -572,7 +572,7 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.HeartbeatTasksResponse, _abc.Awaitable[_task_pb2.HeartbeatTasksResponse]]:
         """Extends many leases in one call, each fenced by its own token, with a result per item in
-        request order (heartbeat_tasks_v2: the tasks locked in id order, so that two batches never
+        request order (heartbeat_tasks_v1: the tasks locked in id order, so that two batches never
         wait on each other in a cycle, then every held lease extended in one statement).
         """
 
@@ -774,8 +774,8 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.ListStaleTasksResponse, _abc.Awaitable[_task_pb2.ListStaleTasksResponse]]:
         """The watchdog's list: tasks that can never finish on their own (see StaleReason), judged by
-        generation.stale_reason_v2 with the stored thresholds (Settings). The WHERE clause is only
-        what stale_reason_v2 implies (generation.unattended_tools_v1 for queued tasks), so the rows
+        generation.stale_reason_v1 with the stored thresholds (Settings). The WHERE clause is only
+        what stale_reason_v1 implies (generation.unattended_tools_v1 for queued tasks), so the rows
         it is asked about are few; OFFSET 0 keeps the planner from asking it about every row first.
         """
 

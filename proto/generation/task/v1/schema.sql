@@ -1,5 +1,7 @@
--- The DDL beside task.proto: what `alembic upgrade head` builds (tests/test_schema.py proves it).
--- Alembic owns the schema; change it with a new revision, then update this file to match.
+-- The generation schema beside task.proto, and its source: the baseline revision
+-- (alembic/versions/0001_baseline.py) runs this file, and tests/test_schema.py checks that a
+-- database `genq migrate` built equals it. Until 0.1.0 is released, a schema change edits this
+-- file in place (docs/OPERATIONS.md, "Upgrading").
 
 CREATE SCHEMA generation;
 
@@ -33,7 +35,7 @@ CREATE TABLE generation.tools (
     -- The part of spent_day's global cap granted to this tool (generation.grant_share_v1): it
     -- covers the tool's spend and reservations, so paid claims lock only their tool's row.
     granted_nanos bigint NOT NULL DEFAULT 0,
-    -- At most this many of its tasks run at once (NULL: no limit); alembic 0009.
+    -- At most this many of its tasks run at once (NULL: no limit).
     max_in_flight integer,
     CONSTRAINT tools_name_key UNIQUE (name),
     CONSTRAINT tools_name_length CHECK (char_length(name) BETWEEN 1 AND 200),
@@ -96,10 +98,10 @@ CREATE TABLE generation.tasks (
     cancel_requested_at timestamptz,
     -- The sequence of the task's last event (events count per task).
     last_event_seq bigint NOT NULL DEFAULT 0,
-    -- Who or what enqueued it (alembic 0009).
+    -- Who or what enqueued it.
     source text,
     -- The requeue_keys of the QueueTask REQUEUEs that created it or queued it again: one sent
-    -- again after a lost answer finds its key here, on the row it holds locked (alembic 0023).
+    -- again after a lost answer finds its key here, on the row it holds locked.
     requeue_keys text[],
     CONSTRAINT tasks_priority_range CHECK (priority BETWEEN -100 AND 100),
     CONSTRAINT tasks_max_retries_range CHECK (max_retries BETWEEN 0 AND 100),
@@ -123,9 +125,9 @@ WITH (
     autovacuum_vacuum_cost_limit = 2000
 );
 
--- A tool is never deleted nor renumbered, so every task's tool exists without a foreign key
--- (alembic 0015): no RPC deletes one or changes its id, the inserts read their tool's row in the
--- same statement, and this refuses either by hand.
+-- A tool is never deleted nor renumbered, so every task's tool exists without a foreign key: no
+-- RPC deletes one or changes its id, the inserts read their tool's row in the same statement,
+-- and this refuses either by hand.
 CREATE FUNCTION generation.keep_tools_v1() RETURNS trigger
 LANGUAGE plpgsql
 AS $$
@@ -173,7 +175,7 @@ CREATE TYPE generation.task_event_kind AS ENUM (
     'cancelled', 'expired', 'started', 'cancel_requested'
 );
 
--- No foreign key (alembic 0016): every event is appended by a transition that holds its task's
+-- No foreign key: every event is appended by a transition that holds its task's
 -- row, and PurgeTasks deletes a task's events with it.
 CREATE TABLE generation.task_events (
     task_id uuid NOT NULL,
@@ -216,7 +218,7 @@ CREATE TABLE generation.settings (
     account_hold_seconds integer NOT NULL DEFAULT 3600,
     retention_days integer NOT NULL DEFAULT 30,
     granted_day date,
-    -- What "stale" means (generation.stale_reason_v2).
+    -- What "stale" means (generation.stale_reason_v1).
     processing_grace_seconds integer NOT NULL DEFAULT 120,
     queued_max_age_seconds integer NOT NULL DEFAULT 900,
     -- The last change of the switch or the cap: a deliberate wait ended (the watchdog's clock).
@@ -233,8 +235,8 @@ CREATE TABLE generation.settings (
 );
 INSERT INTO generation.settings DEFAULT VALUES;
 
--- Today's spend and open reservations of every tool together: what the global cap binds
--- (alembic 0009). Summed on read, so no one row is written by every paid claim.
+-- Today's spend and open reservations of every tool together: what the global cap binds.
+-- Summed on read, so no one row is written by every paid claim.
 CREATE VIEW generation.spend_today AS
 SELECT (now() AT TIME ZONE s.timezone)::date AS today,
        COALESCE(sum(t.spent_nanos), 0)::bigint AS spent_nanos,
@@ -250,8 +252,8 @@ CREATE TABLE generation.cooldowns (
     cooling_until timestamptz
 );
 
--- How many tasks of a resource key may run at once, across tools (alembic 0009): a provider's
--- concurrency limit for a model, say.
+-- How many tasks of a resource key may run at once, across tools: a provider's concurrency
+-- limit for a model, say.
 CREATE TABLE generation.resource_limits (
     resource_key text PRIMARY KEY,
     max_in_flight integer NOT NULL,
@@ -290,13 +292,13 @@ CREATE TABLE generation.attempts (
     CONSTRAINT attempts_money_nonnegative CHECK (estimate_nanos >= 0 AND cost_nanos >= 0)
 )
 -- Every run's row is updated once, when the run ends; the ledger only grows, so a vacuum at 20 %
--- of it would come ever later: vacuum after a few thousand dead rows instead (alembic 0010).
+-- of it would come ever later: vacuum after a few thousand dead rows instead.
 WITH (autovacuum_vacuum_scale_factor = 0.0, autovacuum_vacuum_threshold = 2000);
 CREATE INDEX attempts_local_day_idx ON generation.attempts (local_day);
 -- When each tool last claimed (a worker is alive), and the last hour's throughput.
 CREATE INDEX attempts_tool_started_idx ON generation.attempts (tool_id, started_at);
 CREATE INDEX attempts_ended_idx ON generation.attempts (ended_at);
--- Runs in flight per resource key, for its concurrency limit (alembic 0009).
+-- Runs in flight per resource key, for its concurrency limit.
 CREATE INDEX attempts_running_idx ON generation.attempts (resource_key) WHERE outcome = 'running';
 
 -- When a worker last asked for each tool's work (a claim call, claimed or not).
@@ -315,17 +317,17 @@ CREATE TABLE generation.replica_overrides (
     CONSTRAINT replica_overrides_cap_nonnegative CHECK (daily_cap_nanos >= 0)
 );
 
--- The maintenance leader (alembic 0007): the process holding `name`'s row until `expires_at` (the
--- database's clock) runs the periodic sweeps for every replica; it renews the row well before
--- then, and deletes it when it stops cleanly (service/housekeeping.py).
+-- The maintenance leader: the process holding `name`'s row until `expires_at` (the database's
+-- clock) runs the periodic sweeps for every replica; it renews the row well before then, and
+-- deletes it when it stops cleanly (service/leader/lease.py).
 CREATE TABLE generation.leader (
     name text PRIMARY KEY,
     holder uuid NOT NULL,
     expires_at timestamptz NOT NULL
 );
 
--- API tokens (alembic 0008): a caller presents `genq_<id>_<secret>`; only the secret's SHA-256 is
--- stored, so a stolen backup holds no credential. A revoked or expired token stops working on
+-- API tokens: a caller presents `genq_<id>_<secret>`; only the secret's SHA-256 is stored, so a
+-- stolen backup holds no credential. A revoked or expired token stops working on
 -- every replica within 30 s (the service trusts a looked-up token for 15 s).
 CREATE TABLE generation.tokens (
     id uuid PRIMARY KEY DEFAULT gen_random_uuid(),
@@ -343,8 +345,8 @@ CREATE TABLE generation.tokens (
     CONSTRAINT tokens_secret_length CHECK (octet_length(secret_sha256) = 32)
 );
 
--- Who changed what, when (alembic 0008): one row per audited RPC, written in the change's own
--- transaction, and per `genq token` command.
+-- Who changed what, when: one row per audited RPC, written in the change's own transaction, and
+-- per `genq token` command.
 CREATE TABLE generation.audit (
     id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     at timestamptz NOT NULL DEFAULT now(),
@@ -355,7 +357,8 @@ CREATE TABLE generation.audit (
 
 -- The write transitions, one function each (docs/ARCHITECTURE.md: "Transitions"). Each locks what
 -- it changes first, then decides, in the one lock order: task rows, attempts, resource limits,
--- tools, settings, cooldowns and holds, tool_polls. A change adds a `_v2` beside `_v1` (docs/OPERATIONS.md).
+-- tools, settings, cooldowns and holds, tool_polls. Once 0.1.0 is released, a change adds a
+-- `_v2` beside `_v1` (docs/OPERATIONS.md, "Upgrading").
 
 -- Whether a cost fits under a cap, given the spend counters: spend counts on `today` only, an
 -- estimate must fit (<= cap), and a task estimated at 0 needs the total strictly below the cap.
@@ -387,11 +390,11 @@ AS $$
           WHERE r.seen_at > now() - interval '30 seconds') AS o
 $$;
 
--- The tools whose queued tasks generation.stale_reason_v2 may call abandoned: the switch on, a
+-- The tools whose queued tasks generation.stale_reason_v1 may call abandoned: the switch on, a
 -- cap set, the tool not paused, no gate changed and no worker's poll within queued_max_age, no
 -- live lease. Each holds of every abandoned task, so the watchdog's reads (ListStaleTasks,
--- GetStatus) ask stale_reason_v2 only about the queued tasks of these tools: a backlog that a
--- worker drains, a paused tool's, or one the switch holds is not judged row by row (alembic 0013).
+-- GetStatus) ask stale_reason_v1 only about the queued tasks of these tools: a backlog that a
+-- worker drains, a paused tool's, or one the switch holds is not judged row by row.
 CREATE FUNCTION generation.unattended_tools_v1() RETURNS uuid[]
 LANGUAGE sql STABLE
 AS $$
@@ -415,9 +418,10 @@ $$;
 -- billed is billed) when the attempt started on the counters' day, today (an earlier day's
 -- counters, reservations included, were dropped with that day); the resource key's cooldown and
 -- the account group's hold are kept, on the key the run reports it used (p_resource_key: a
--- handler that fell back to another model) or else the one it was claimed with. A second close of the same attempt changes nothing, so a retried call cannot count
--- twice. The caller holds the task's row lock.
-CREATE FUNCTION generation.close_attempt_v2(
+-- handler that fell back to another model) or else the one it was claimed with. A second close
+-- of the same attempt changes nothing, so a retried call cannot count twice. The caller holds
+-- the task's row lock.
+CREATE FUNCTION generation.close_attempt_v1(
     p_task uuid, p_token uuid, p_closing generation.attempt_outcome, p_cost bigint,
     p_retryable boolean, p_resource_key text
 ) RETURNS generation.attempts
@@ -532,7 +536,7 @@ $$;
 -- service itself saw the caller's deadline pass before the answer left: that costs the task
 -- nothing at all, so a caller with hopeless deadlines cannot wear out the task at the head of
 -- the line. A task whose cancel was asked for ends cancelled. The caller holds the row lock.
-CREATE FUNCTION generation.hand_back_unconfirmed_v2(t generation.tasks, p_lapsed boolean)
+CREATE FUNCTION generation.hand_back_unconfirmed_v1(t generation.tasks, p_lapsed boolean)
 RETURNS TABLE (task generation.tasks, event jsonb)
 LANGUAGE plpgsql
 AS $$
@@ -558,7 +562,7 @@ BEGIN
         last_event_seq = q.last_event_seq + 1
     WHERE q.id = t.id
     RETURNING q.* INTO back;
-    PERFORM generation.close_attempt_v2(t.id, t.lease_token, 'unconfirmed', 0, false, NULL);
+    PERFORM generation.close_attempt_v1(t.id, t.lease_token, 'unconfirmed', 0, false, NULL);
     RETURN QUERY SELECT back, generation.append_event_v1(
         t.id, ending::generation.task_event_kind,
         jsonb_build_object('reason', CASE WHEN p_lapsed THEN 'claim answer lost'
@@ -567,12 +571,12 @@ BEGIN
 END
 $$;
 
--- A run whose lease lapsed, decided: an unconfirmed claim costs nothing (hand_back_unconfirmed_v2);
+-- A run whose lease lapsed, decided: an unconfirmed claim costs nothing (hand_back_unconfirmed_v1);
 -- a confirmed run costs one retry and is queued again first in line while retries remain, else
 -- the task fails at once (nobody waits for the reaper); a run whose cancel was asked for ends
 -- cancelled. The attempt is closed abandoned (its reservation released). The caller holds the
 -- task's row lock and its attempt's.
-CREATE FUNCTION generation.end_lapsed_run_v2(t generation.tasks)
+CREATE FUNCTION generation.end_lapsed_run_v1(t generation.tasks)
 RETURNS TABLE (task generation.tasks, event jsonb)
 LANGUAGE plpgsql
 AS $$
@@ -582,7 +586,7 @@ DECLARE
     ending text;
 BEGIN
     IF NOT t.lease_confirmed THEN
-        RETURN QUERY SELECT * FROM generation.hand_back_unconfirmed_v2(t, true);
+        RETURN QUERY SELECT * FROM generation.hand_back_unconfirmed_v1(t, true);
         RETURN;
     END IF;
     prior := t.lease_token;
@@ -601,7 +605,7 @@ BEGIN
         last_event_seq = q.last_event_seq + 1
     WHERE q.id = t.id
     RETURNING q.* INTO t;
-    PERFORM generation.close_attempt_v2(t.id, prior, 'abandoned', 0, false, NULL);
+    PERFORM generation.close_attempt_v1(t.id, prior, 'abandoned', 0, false, NULL);
     RETURN QUERY SELECT t, generation.append_event_v1(
         t.id, ending::generation.task_event_kind,
         jsonb_build_object('reason', 'lease lapsed', 'error', t.error, 'retry_count', t.retry_count));
@@ -610,7 +614,7 @@ $$;
 
 -- How many runs of a resource key are in flight (attempts_running_idx), counted up to p_limit:
 -- the count stops at the limit, so it costs the limit's, never the backlog's. The one count the
--- claim, GetStatus and the watchdog (stale_reason_v2) use for a key's concurrency limit.
+-- claim, GetStatus and the watchdog (stale_reason_v1) use for a key's concurrency limit.
 CREATE FUNCTION generation.key_running_v1(p_key text, p_limit integer) RETURNS bigint
 LANGUAGE sql STABLE
 AS $$
@@ -621,7 +625,7 @@ AS $$
 $$;
 
 -- Why a live task can never finish on its own, or NULL: the one definition of "stale" for
--- ListStaleTasks, the status page and the reaper (reap_task_v2), with the stored thresholds.
+-- ListStaleTasks, the status page and the reaper (reap_task_v1), with the stored thresholds.
 -- A queued task is abandoned only when nothing deliberate holds it now (switch, cap, pause) and
 -- it could have run for queued_max_age with no worker asking for its tool's work: the wait
 -- counts from the latest of its queueing, its run_after, a change of the gates, the end of a
@@ -630,14 +634,13 @@ $$;
 -- for no more work until a run ends, and its queue is waiting, not abandoned.
 -- The claim holds every task of a tool back while the tool's own key cools, its own group is
 -- held or its own key is at its limit, and a task with a key or group of its own also while
--- that one does: both count here as they count there (alembic 0020).
+-- that one does: both count here as they count there.
 -- A replica's override of the cap ends when it is last seen (gates_v1 counts it for 30 s more);
--- while it lives, only the cap it sets holds anything back (alembic 0020).
+-- while it lives, only the cap it sets holds anything back.
 -- The claim admits money in claim order and stops at the first task today's room cannot take,
 -- so a cap short of the tool's next task's estimate holds every task of the tool, the cheaper
--- ones behind it too; a claim notes a poll at most every 5 s, so a poll counts 5 s longer
--- (alembic 0022).
-CREATE FUNCTION generation.stale_reason_v2(t generation.tasks) RETURNS text
+-- ones behind it too; a claim notes a poll at most every 5 s, so a poll counts 5 s longer.
+CREATE FUNCTION generation.stale_reason_v1(t generation.tasks) RETURNS text
 LANGUAGE sql STABLE
 AS $$
     SELECT CASE
@@ -685,8 +688,8 @@ AS $$
         -- cooling or held, not over the cap in force) and stops there when today's room cannot
         -- take it: then that task holds this one too. Last, being the dearest check, and looking
         -- among the first 20 tasks in claim order only, so that a queue of tasks over the cap
-        -- costs each candidate 20 rows, not the whole queue (past them, as before 0022, only
-        -- the task's own estimate counts).
+        -- costs each candidate 20 rows, not the whole queue (past them, only the task's own
+        -- estimate counts).
         WHEN NOT (
             SELECT generation.within_cap_v1(
                        sp.spent_nanos, sp.today, sp.today, sp.reserved_nanos, ahead.estimate,
@@ -772,590 +775,23 @@ $$;
 -- Claims up to p_limit tasks of a tool, in claim order: reclaimed zombies first, then priority
 -- (higher first), then FIFO. Each starts a run: a fresh lease token, an attempt in the ledger,
 -- a `started` event. Spend is admitted task by task and the batch stops at the first task the
--- caps have no room for. The concurrency limits (max_in_flight of the tool and of the tasks'
--- resource keys) are kept the same way: a task whose key is busy stays queued, a busy tool stops
--- the batch. No retry is charged here: a run is charged when it ends unsuccessfully (and only
--- once its worker confirmed the claim). With nothing claimed, one row says why.
-CREATE FUNCTION generation.claim_tasks_v2(
-    p_tool uuid, p_limit integer, p_lease_seconds integer, p_disabled boolean, p_cap bigint
-) RETURNS TABLE (task generation.tasks, lease_seconds integer, idle_reason text, event jsonb)
-LANGUAGE plpgsql
-AS $$
-#variable_conflict use_column
-DECLARE
-    tool generation.tools;
-    s generation.settings;
-    g record;
-    today date;
-    default_key text;
-    default_group text;
-    lease integer;
-    blocked text;
-    tool_cooling boolean;
-    tool_held boolean;
-    picked record;
-    ids uuid[] := '{}';
-    estimates bigint[] := '{}';
-    keys text[] := '{}';
-    groups text[] := '{}';
-    admitted uuid[] := '{}';
-    spend_locked boolean := false;
-    used bigint;
-    share bigint;
-    granted bigint;
-    grant_made record;
-    reserving bigint := 0;
-    in_flight integer;
-    limits record;
-    key_room jsonb := '{}';
-    full_keys text[];
-    tool_busy boolean;
-    busy boolean := false;
-    head record;
-    has_head boolean;
-BEGIN
-    -- 0. The local day cannot move under a claim: a time-zone change that moves it waits for
-    --    claims in flight, and they for it (update_settings_v2).
-    PERFORM pg_advisory_xact_lock_shared(1734700658);
-    -- 1. Read the gates, unlocked: the tool, the switch and the cap in force, its cooldown/hold.
-    SELECT * INTO tool FROM generation.tools WHERE id = p_tool;
-    IF NOT FOUND THEN
-        RETURN QUERY SELECT NULL::generation.tasks, NULL::integer, 'unknown_tool'::text, NULL::jsonb;
-        RETURN;
-    END IF;
-    SELECT * INTO s FROM generation.settings;
-    SELECT * INTO g FROM generation.gates_v1(p_disabled, p_cap);
-    today := (now() AT TIME ZONE s.timezone)::date;
-    default_key := COALESCE(tool.resource_key, tool.name);
-    default_group := COALESCE(tool.account_group, tool.name);
-    lease := COALESCE(tool.lease_seconds, p_lease_seconds);
-    used := CASE WHEN tool.spent_day = today THEN tool.spent_nanos + tool.reserved_nanos ELSE 0 END;
-    share := CASE WHEN tool.spent_day = today THEN tool.granted_nanos ELSE 0 END;
-    granted := CASE WHEN s.granted_day = today THEN s.granted_nanos ELSE 0 END;
-    blocked := CASE WHEN NOT g.running THEN 'disabled' WHEN tool.paused THEN 'paused'
-                    WHEN g.cap = 0 THEN 'capped' END;
-    tool_cooling := EXISTS (SELECT 1 FROM generation.cooldowns AS c
-                            WHERE c.resource_key = default_key AND c.cooling_until > now());
-    tool_held := EXISTS (SELECT 1 FROM generation.holds AS h
-                         WHERE h.account_group = default_group AND h.held_until > now());
-    -- Keys at their concurrency limit, and whether the tool is at its own (counted unlocked,
-    -- and again under lock in step 3; each count stops at the limit).
-    SELECT COALESCE(array_agg(l.resource_key), '{}') INTO full_keys
-    FROM generation.resource_limits AS l
-    WHERE generation.key_running_v1(l.resource_key, l.max_in_flight) >= l.max_in_flight;
-    tool_busy := default_key = ANY (full_keys) OR CASE WHEN tool.max_in_flight IS NULL THEN false
-        ELSE tool.max_in_flight <= (
-            SELECT count(*) FROM (
-                SELECT 1 FROM generation.tasks AS q
-                WHERE q.tool_id = p_tool AND q.status = 'processing'
-                LIMIT tool.max_in_flight) AS running) END;
-
-    IF blocked IS NULL AND NOT tool_cooling AND NOT tool_held AND NOT tool_busy THEN
-        -- 2. Lock up to p_limit claimable tasks in claim order, skipping rows other claimers
-        --    hold (tasks_claim_idx serves this as an index-ordered top-N).
-        FOR picked IN
-            SELECT q.id, COALESCE(q.cost_estimate_nanos, tool.cost_estimate_nanos) AS estimate,
-                   COALESCE(q.resource_key, default_key) AS resource_key,
-                   COALESCE(q.account_group, default_group) AS account_group
-            FROM generation.tasks AS q
-            WHERE q.tool_id = p_tool AND q.status = 'queued' AND q.retry_count < q.max_retries
-              AND q.run_at <= now() AND (q.expires_at IS NULL OR q.expires_at > now())
-              AND (q.resource_key IS NULL OR NOT EXISTS (
-                    SELECT 1 FROM generation.cooldowns AS c
-                    WHERE c.resource_key = q.resource_key AND c.cooling_until > now()))
-              AND (q.account_group IS NULL OR NOT EXISTS (
-                    SELECT 1 FROM generation.holds AS h
-                    WHERE h.account_group = q.account_group AND h.held_until > now()))
-              AND (q.resource_key IS NULL OR NOT q.resource_key = ANY (full_keys))
-            ORDER BY q.reclaimed DESC, q.priority DESC, q.run_at
-            LIMIT p_limit
-            FOR NO KEY UPDATE OF q SKIP LOCKED
-        LOOP
-            ids := ids || picked.id;
-            estimates := estimates || picked.estimate;
-            keys := keys || picked.resource_key;
-            groups := groups || picked.account_group;
-        END LOOP;
-
-        -- 3. The concurrency limits: lock the picked keys' limits (in key order: claims of one
-        --    key across tools take turns), then count what runs of each key in a statement of
-        --    its own, whose snapshot comes after the lock and so sees the runs of the claim that
-        --    held it; then the tool's, under its row lock. Counting stops at the limit.
-        PERFORM 1 FROM generation.resource_limits AS l WHERE l.resource_key = ANY (keys)
-        ORDER BY l.resource_key
-        FOR NO KEY UPDATE;
-        FOR limits IN
-            SELECT l.resource_key,
-                   l.max_in_flight - generation.key_running_v1(l.resource_key, l.max_in_flight)
-                       AS room
-            FROM generation.resource_limits AS l
-            WHERE l.resource_key = ANY (keys)
-        LOOP
-            key_room := key_room || jsonb_build_object(limits.resource_key, limits.room);
-        END LOOP;
-        IF tool.max_in_flight IS NOT NULL AND array_length(ids, 1) > 0 THEN
-            SELECT * INTO tool FROM generation.tools AS t WHERE t.id = p_tool FOR NO KEY UPDATE;
-            spend_locked := true;
-            today := GREATEST(today, tool.spent_day);
-            used := CASE WHEN tool.spent_day = today
-                         THEN tool.spent_nanos + tool.reserved_nanos ELSE 0 END;
-            share := CASE WHEN tool.spent_day = today THEN tool.granted_nanos ELSE 0 END;
-            SELECT tool.max_in_flight - count(*) INTO in_flight FROM (
-                SELECT 1 FROM generation.tasks AS q
-                WHERE q.tool_id = p_tool AND q.status = 'processing'
-                LIMIT tool.max_in_flight) AS running;
-        END IF;
-
-        -- 4. Admit in claim order: within the limits (a task whose key is busy stays queued and
-        --    the next is tried; a busy tool stops the claim), under the tool's own cap and
-        --    within its share of the global cap (counters of an earlier day count as nothing).
-        --    The tool's row is locked at the first task carrying an estimate; tasks estimated
-        --    at 0 reserve nothing and read the counters unlocked.
-        FOR i IN 1 .. COALESCE(array_length(ids, 1), 0) LOOP
-            IF in_flight IS NOT NULL AND in_flight <= 0 THEN
-                busy := true;
-                EXIT;
-            END IF;
-            IF (key_room ->> keys[i])::integer <= 0 THEN
-                busy := true;
-                CONTINUE;
-            END IF;
-            IF estimates[i] > 0 AND NOT spend_locked THEN
-                SELECT * INTO tool FROM generation.tools AS t WHERE t.id = p_tool FOR NO KEY UPDATE;
-                spend_locked := true;
-                -- A claim begun just before midnight that waited for a claim of the new day
-                -- counts on the new day: a day's counters never move back to the one before.
-                today := GREATEST(today, tool.spent_day);
-                used := CASE WHEN tool.spent_day = today
-                             THEN tool.spent_nanos + tool.reserved_nanos ELSE 0 END;
-                share := CASE WHEN tool.spent_day = today THEN tool.granted_nanos ELSE 0 END;
-            END IF;
-            EXIT WHEN NOT generation.within_cap_v1(
-                used, today, today, reserving, estimates[i], tool.daily_cap_nanos);
-            IF estimates[i] = 0 THEN
-                -- The grants bound the total spend, and it is below them while this share has
-                -- room: then the total is strictly below the cap. Else (a lowered cap left the
-                -- grants above it, say) the total itself decides, read unlocked: nothing is
-                -- reserved for it.
-                EXIT WHEN NOT (granted < g.cap OR granted <= g.cap AND used + reserving < share
-                               OR (SELECT sp.spent_nanos::numeric + sp.reserved_nanos
-                                   FROM generation.spend_today AS sp) < g.cap);
-            ELSIF used + reserving + estimates[i] > share OR granted > g.cap THEN
-                -- Short of share, or a lowered cap left the grants above it: ask for the
-                -- difference (settings' row is locked only here).
-                SELECT * INTO grant_made FROM generation.grant_share_v1(
-                    p_tool, today, used + reserving + estimates[i] - share, g.cap);
-                EXIT WHEN grant_made.share_change IS NULL;
-                share := share + grant_made.share_change;
-                granted := grant_made.granted;
-            END IF;
-            reserving := reserving + estimates[i];
-            admitted := admitted || ids[i];
-            in_flight := in_flight - 1;
-            IF key_room ? keys[i] THEN
-                key_room := jsonb_set(key_room, ARRAY[keys[i]],
-                                      to_jsonb((key_room ->> keys[i])::integer - 1));
-            END IF;
-        END LOOP;
-    END IF;
-
-    -- 5. A worker asked for the tool's work (noted at most every 5 s): the watchdog's sign that
-    --    someone is coming for it.
-    INSERT INTO generation.tool_polls AS p (tool_id, polled_at)
-    SELECT p_tool, now()
-    WHERE NOT EXISTS (SELECT 1 FROM generation.tool_polls AS x
-                      WHERE x.tool_id = p_tool AND x.polled_at > now() - interval '5 seconds')
-    ON CONFLICT (tool_id) DO UPDATE SET polled_at = EXCLUDED.polled_at;
-
-    IF array_length(admitted, 1) IS NULL THEN
-        -- 6. Nothing claimed: say why, from the first reason that holds.
-        IF blocked IS NULL AND array_length(ids, 1) > 0 THEN
-            blocked := CASE WHEN busy THEN 'busy' ELSE 'capped' END;
-        END IF;
-        IF blocked IS NULL THEN
-            SELECT COALESCE(q.resource_key, default_key) AS resource_key,
-                   COALESCE(q.account_group, default_group) AS account_group INTO head
-            FROM generation.tasks AS q
-            WHERE q.tool_id = p_tool AND q.status = 'queued' AND q.retry_count < q.max_retries
-            ORDER BY q.reclaimed DESC, q.priority DESC, q.run_at
-            LIMIT 1;
-            has_head := FOUND;
-            blocked := CASE
-                WHEN NOT has_head THEN 'empty'
-                WHEN tool_held THEN 'held'
-                WHEN tool_cooling THEN 'cooling'
-                WHEN tool_busy OR head.resource_key = ANY (full_keys) THEN 'busy'
-                WHEN EXISTS (SELECT 1 FROM generation.holds AS h
-                             WHERE h.account_group = head.account_group AND h.held_until > now())
-                    THEN 'held'
-                WHEN EXISTS (SELECT 1 FROM generation.cooldowns AS c
-                             WHERE c.resource_key = head.resource_key AND c.cooling_until > now())
-                    THEN 'cooling'
-                ELSE 'waiting' END;
-        END IF;
-        RETURN QUERY SELECT NULL::generation.tasks, NULL::integer, blocked, NULL::jsonb;
-        RETURN;
-    END IF;
-
-    -- 7. Reserve the admitted estimates in the tool's row (locked in step 4), with its share.
-    IF reserving > 0 THEN
-        UPDATE generation.tools AS t
-        SET spent_nanos = CASE WHEN t.spent_day = today THEN t.spent_nanos ELSE 0 END,
-            reserved_nanos = CASE WHEN t.spent_day = today THEN t.reserved_nanos ELSE 0 END
-                             + reserving,
-            granted_nanos = share, spent_day = today
-        WHERE t.id = p_tool;
-    END IF;
-
-    -- 8. Start the runs: a fresh, unconfirmed lease each, an attempt, a `started` event.
-    RETURN QUERY
-    WITH started AS (
-        UPDATE generation.tasks AS t
-        SET status = 'processing',
-            started_at = COALESCE(t.started_at, now()),
-            claim_expires_at = now() + make_interval(secs => lease),
-            lease_token = gen_random_uuid(),
-            lease_confirmed = false,
-            reclaimed = false,
-            attempt_count = t.attempt_count + 1,
-            last_event_seq = t.last_event_seq + 1
-        WHERE t.id = ANY (admitted)
-        RETURNING t.*),
-    attempt AS (
-        INSERT INTO generation.attempts
-            (task_id, attempt, lease_token, tool_id, resource_key, account_group, local_day,
-             estimate_nanos)
-        SELECT started.id, started.attempt_count, started.lease_token, started.tool_id,
-               keys[array_position(ids, started.id)], groups[array_position(ids, started.id)],
-               today, estimates[array_position(ids, started.id)]
-        FROM started),
-    event AS (
-        INSERT INTO generation.task_events (task_id, sequence, kind, data)
-        SELECT started.id, started.last_event_seq, 'started',
-               jsonb_build_object('attempt', started.attempt_count)
-        FROM started
-        RETURNING *)
-    SELECT ROW(started.*)::generation.tasks, lease, NULL::text, to_jsonb(event)
-    FROM started JOIN event ON event.task_id = started.id
-    ORDER BY array_position(admitted, started.id);
-END
-$$;
-
--- Claims up to p_limit tasks of a tool, in claim order: reclaimed zombies first, then priority
--- (higher first), then FIFO. Each starts a run: a fresh lease token, an attempt in the ledger,
--- a `started` event. Spend is admitted task by task and the batch stops at the first task the
--- caps have no room for. The concurrency limits (max_in_flight of the tool and of the tasks'
--- resource keys) are kept the same way: a task whose key is busy stays queued, a busy tool stops
--- the batch. No retry is charged here: a run is charged when it ends unsuccessfully (and only
--- once its worker confirmed the claim). With nothing claimed, one row says why.
--- v3 (alembic 0012): a claim of a task estimated at 0 whose tool has spent today and used up
--- its share of the cap takes a new slice, as a paid claim does, so that the costs such runs
--- report fit in the tool's row instead of growing the grants, and locking settings, at every
--- close.
-CREATE FUNCTION generation.claim_tasks_v3(
-    p_tool uuid, p_limit integer, p_lease_seconds integer, p_disabled boolean, p_cap bigint
-) RETURNS TABLE (task generation.tasks, lease_seconds integer, idle_reason text, event jsonb)
-LANGUAGE plpgsql
-SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
-AS $$
-#variable_conflict use_column
-DECLARE
-    tool generation.tools;
-    s generation.settings;
-    g record;
-    today date;
-    default_key text;
-    default_group text;
-    lease integer;
-    blocked text;
-    tool_cooling boolean;
-    tool_held boolean;
-    picked record;
-    ids uuid[] := '{}';
-    estimates bigint[] := '{}';
-    keys text[] := '{}';
-    groups text[] := '{}';
-    admitted uuid[] := '{}';
-    spend_locked boolean := false;
-    used bigint;
-    share bigint;
-    granted bigint;
-    grant_made record;
-    share_grown boolean := false;
-    slice_asked boolean := false;
-    reserving bigint := 0;
-    in_flight integer;
-    limits record;
-    key_room jsonb := '{}';
-    full_keys text[];
-    tool_busy boolean;
-    busy boolean := false;
-    head record;
-    has_head boolean;
-BEGIN
-    -- 0. The local day cannot move under a claim: a time-zone change that moves it waits for
-    --    claims in flight, and they for it (update_settings_v2).
-    PERFORM pg_advisory_xact_lock_shared(1734700658);
-    -- 1. Read the gates, unlocked: the tool, the switch and the cap in force, its cooldown/hold.
-    SELECT * INTO tool FROM generation.tools WHERE id = p_tool;
-    IF NOT FOUND THEN
-        RETURN QUERY SELECT NULL::generation.tasks, NULL::integer, 'unknown_tool'::text, NULL::jsonb;
-        RETURN;
-    END IF;
-    SELECT * INTO s FROM generation.settings;
-    SELECT * INTO g FROM generation.gates_v1(p_disabled, p_cap);
-    today := (now() AT TIME ZONE s.timezone)::date;
-    default_key := COALESCE(tool.resource_key, tool.name);
-    default_group := COALESCE(tool.account_group, tool.name);
-    lease := COALESCE(tool.lease_seconds, p_lease_seconds);
-    used := CASE WHEN tool.spent_day = today THEN tool.spent_nanos + tool.reserved_nanos ELSE 0 END;
-    share := CASE WHEN tool.spent_day = today THEN tool.granted_nanos ELSE 0 END;
-    granted := CASE WHEN s.granted_day = today THEN s.granted_nanos ELSE 0 END;
-    blocked := CASE WHEN NOT g.running THEN 'disabled' WHEN tool.paused THEN 'paused'
-                    WHEN g.cap = 0 THEN 'capped' END;
-    tool_cooling := EXISTS (SELECT 1 FROM generation.cooldowns AS c
-                            WHERE c.resource_key = default_key AND c.cooling_until > now());
-    tool_held := EXISTS (SELECT 1 FROM generation.holds AS h
-                         WHERE h.account_group = default_group AND h.held_until > now());
-    -- Keys at their concurrency limit, and whether the tool is at its own (counted unlocked,
-    -- and again under lock in step 3; each count stops at the limit).
-    SELECT COALESCE(array_agg(l.resource_key), '{}') INTO full_keys
-    FROM generation.resource_limits AS l
-    WHERE generation.key_running_v1(l.resource_key, l.max_in_flight) >= l.max_in_flight;
-    tool_busy := default_key = ANY (full_keys) OR CASE WHEN tool.max_in_flight IS NULL THEN false
-        ELSE tool.max_in_flight <= (
-            SELECT count(*) FROM (
-                SELECT 1 FROM generation.tasks AS q
-                WHERE q.tool_id = p_tool AND q.status = 'processing'
-                LIMIT tool.max_in_flight) AS running) END;
-
-    IF blocked IS NULL AND NOT tool_cooling AND NOT tool_held AND NOT tool_busy THEN
-        -- 2. Lock up to p_limit claimable tasks in claim order, skipping rows other claimers
-        --    hold (tasks_claim_idx serves this as an index-ordered top-N).
-        FOR picked IN
-            SELECT q.id, COALESCE(q.cost_estimate_nanos, tool.cost_estimate_nanos) AS estimate,
-                   COALESCE(q.resource_key, default_key) AS resource_key,
-                   COALESCE(q.account_group, default_group) AS account_group
-            FROM generation.tasks AS q
-            WHERE q.tool_id = p_tool AND q.status = 'queued' AND q.retry_count < q.max_retries
-              AND q.run_at <= now() AND (q.expires_at IS NULL OR q.expires_at > now())
-              AND (q.resource_key IS NULL OR NOT EXISTS (
-                    SELECT 1 FROM generation.cooldowns AS c
-                    WHERE c.resource_key = q.resource_key AND c.cooling_until > now()))
-              AND (q.account_group IS NULL OR NOT EXISTS (
-                    SELECT 1 FROM generation.holds AS h
-                    WHERE h.account_group = q.account_group AND h.held_until > now()))
-              AND (q.resource_key IS NULL OR NOT q.resource_key = ANY (full_keys))
-            ORDER BY q.reclaimed DESC, q.priority DESC, q.run_at
-            LIMIT p_limit
-            FOR NO KEY UPDATE OF q SKIP LOCKED
-        LOOP
-            ids := ids || picked.id;
-            estimates := estimates || picked.estimate;
-            keys := keys || picked.resource_key;
-            groups := groups || picked.account_group;
-        END LOOP;
-
-        -- 3. The concurrency limits: lock the picked keys' limits (in key order: claims of one
-        --    key across tools take turns), then count what runs of each key in a statement of
-        --    its own, whose snapshot comes after the lock and so sees the runs of the claim that
-        --    held it; then the tool's, under its row lock. Counting stops at the limit.
-        PERFORM 1 FROM generation.resource_limits AS l WHERE l.resource_key = ANY (keys)
-        ORDER BY l.resource_key
-        FOR NO KEY UPDATE;
-        FOR limits IN
-            SELECT l.resource_key,
-                   l.max_in_flight - generation.key_running_v1(l.resource_key, l.max_in_flight)
-                       AS room
-            FROM generation.resource_limits AS l
-            WHERE l.resource_key = ANY (keys)
-        LOOP
-            key_room := key_room || jsonb_build_object(limits.resource_key, limits.room);
-        END LOOP;
-        IF tool.max_in_flight IS NOT NULL AND array_length(ids, 1) > 0 THEN
-            SELECT * INTO tool FROM generation.tools AS t WHERE t.id = p_tool FOR NO KEY UPDATE;
-            spend_locked := true;
-            today := GREATEST(today, tool.spent_day);
-            used := CASE WHEN tool.spent_day = today
-                         THEN tool.spent_nanos + tool.reserved_nanos ELSE 0 END;
-            share := CASE WHEN tool.spent_day = today THEN tool.granted_nanos ELSE 0 END;
-            SELECT tool.max_in_flight - count(*) INTO in_flight FROM (
-                SELECT 1 FROM generation.tasks AS q
-                WHERE q.tool_id = p_tool AND q.status = 'processing'
-                LIMIT tool.max_in_flight) AS running;
-        END IF;
-
-        -- 4. Admit in claim order: within the limits (a task whose key is busy stays queued and
-        --    the next is tried; a busy tool stops the claim), under the tool's own cap and
-        --    within its share of the global cap (counters of an earlier day count as nothing).
-        --    The tool's row is locked at the first task carrying an estimate; tasks estimated
-        --    at 0 reserve nothing and read the counters unlocked.
-        FOR i IN 1 .. COALESCE(array_length(ids, 1), 0) LOOP
-            IF in_flight IS NOT NULL AND in_flight <= 0 THEN
-                busy := true;
-                EXIT;
-            END IF;
-            IF (key_room ->> keys[i])::integer <= 0 THEN
-                busy := true;
-                CONTINUE;
-            END IF;
-            IF estimates[i] > 0 AND NOT spend_locked THEN
-                SELECT * INTO tool FROM generation.tools AS t WHERE t.id = p_tool FOR NO KEY UPDATE;
-                spend_locked := true;
-                -- A claim begun just before midnight that waited for a claim of the new day
-                -- counts on the new day: a day's counters never move back to the one before.
-                today := GREATEST(today, tool.spent_day);
-                used := CASE WHEN tool.spent_day = today
-                             THEN tool.spent_nanos + tool.reserved_nanos ELSE 0 END;
-                share := CASE WHEN tool.spent_day = today THEN tool.granted_nanos ELSE 0 END;
-            END IF;
-            EXIT WHEN NOT generation.within_cap_v1(
-                used, today, today, reserving, estimates[i], tool.daily_cap_nanos);
-            IF estimates[i] = 0 AND used > 0 AND used + reserving >= share
-               AND g.cap - granted >= 16 AND NOT slice_asked THEN
-                -- Its run may report a cost, as the tool's runs did today, and the tool's share
-                -- has no room left for one: ask for a slice now (once a claim, and only while a
-                -- sixteenth of the free part is worth asking for), the tool's row first.
-                slice_asked := true;
-                IF NOT spend_locked THEN
-                    SELECT * INTO tool FROM generation.tools AS t
-                    WHERE t.id = p_tool FOR NO KEY UPDATE;
-                    spend_locked := true;
-                    today := GREATEST(today, tool.spent_day);
-                    used := CASE WHEN tool.spent_day = today
-                                 THEN tool.spent_nanos + tool.reserved_nanos ELSE 0 END;
-                    share := CASE WHEN tool.spent_day = today THEN tool.granted_nanos ELSE 0 END;
-                END IF;
-                IF used + reserving >= share THEN
-                    SELECT * INTO grant_made FROM generation.grant_share_v1(
-                        p_tool, today, used + reserving - share, g.cap);
-                    IF grant_made.share_change > 0 THEN
-                        share := share + grant_made.share_change;
-                        granted := grant_made.granted;
-                        share_grown := true;
-                    END IF;
-                END IF;
-            END IF;
-            IF estimates[i] = 0 THEN
-                -- The grants bound the total spend, and it is below them while this share has
-                -- room: then the total is strictly below the cap. Else (a lowered cap left the
-                -- grants above it, say) the total itself decides, read unlocked: nothing is
-                -- reserved for it.
-                EXIT WHEN NOT (granted < g.cap OR granted <= g.cap AND used + reserving < share
-                               OR (SELECT sp.spent_nanos::numeric + sp.reserved_nanos
-                                   FROM generation.spend_today AS sp) < g.cap);
-            ELSIF used + reserving + estimates[i] > share OR granted > g.cap THEN
-                -- Short of share, or a lowered cap left the grants above it: ask for the
-                -- difference (settings' row is locked only here).
-                SELECT * INTO grant_made FROM generation.grant_share_v1(
-                    p_tool, today, used + reserving + estimates[i] - share, g.cap);
-                EXIT WHEN grant_made.share_change IS NULL;
-                share := share + grant_made.share_change;
-                granted := grant_made.granted;
-            END IF;
-            reserving := reserving + estimates[i];
-            admitted := admitted || ids[i];
-            in_flight := in_flight - 1;
-            IF key_room ? keys[i] THEN
-                key_room := jsonb_set(key_room, ARRAY[keys[i]],
-                                      to_jsonb((key_room ->> keys[i])::integer - 1));
-            END IF;
-        END LOOP;
-    END IF;
-
-    -- 5. A worker asked for the tool's work (noted at most every 5 s): the watchdog's sign that
-    --    someone is coming for it.
-    INSERT INTO generation.tool_polls AS p (tool_id, polled_at)
-    SELECT p_tool, now()
-    WHERE NOT EXISTS (SELECT 1 FROM generation.tool_polls AS x
-                      WHERE x.tool_id = p_tool AND x.polled_at > now() - interval '5 seconds')
-    ON CONFLICT (tool_id) DO UPDATE SET polled_at = EXCLUDED.polled_at;
-
-    IF array_length(admitted, 1) IS NULL THEN
-        -- 6. Nothing claimed: say why, from the first reason that holds.
-        IF blocked IS NULL AND array_length(ids, 1) > 0 THEN
-            blocked := CASE WHEN busy THEN 'busy' ELSE 'capped' END;
-        END IF;
-        IF blocked IS NULL THEN
-            SELECT COALESCE(q.resource_key, default_key) AS resource_key,
-                   COALESCE(q.account_group, default_group) AS account_group INTO head
-            FROM generation.tasks AS q
-            WHERE q.tool_id = p_tool AND q.status = 'queued' AND q.retry_count < q.max_retries
-            ORDER BY q.reclaimed DESC, q.priority DESC, q.run_at
-            LIMIT 1;
-            has_head := FOUND;
-            blocked := CASE
-                WHEN NOT has_head THEN 'empty'
-                WHEN tool_held THEN 'held'
-                WHEN tool_cooling THEN 'cooling'
-                WHEN tool_busy OR head.resource_key = ANY (full_keys) THEN 'busy'
-                WHEN EXISTS (SELECT 1 FROM generation.holds AS h
-                             WHERE h.account_group = head.account_group AND h.held_until > now())
-                    THEN 'held'
-                WHEN EXISTS (SELECT 1 FROM generation.cooldowns AS c
-                             WHERE c.resource_key = head.resource_key AND c.cooling_until > now())
-                    THEN 'cooling'
-                ELSE 'waiting' END;
-        END IF;
-        RETURN QUERY SELECT NULL::generation.tasks, NULL::integer, blocked, NULL::jsonb;
-        RETURN;
-    END IF;
-
-    -- 7. Reserve the admitted estimates in the tool's row (locked in step 4), with its share.
-    IF reserving > 0 OR share_grown THEN
-        UPDATE generation.tools AS t
-        SET spent_nanos = CASE WHEN t.spent_day = today THEN t.spent_nanos ELSE 0 END,
-            reserved_nanos = CASE WHEN t.spent_day = today THEN t.reserved_nanos ELSE 0 END
-                             + reserving,
-            granted_nanos = share, spent_day = today
-        WHERE t.id = p_tool;
-    END IF;
-
-    -- 8. Start the runs: a fresh, unconfirmed lease each, an attempt, a `started` event.
-    RETURN QUERY
-    WITH started AS (
-        UPDATE generation.tasks AS t
-        SET status = 'processing',
-            started_at = COALESCE(t.started_at, now()),
-            claim_expires_at = now() + make_interval(secs => lease),
-            lease_token = gen_random_uuid(),
-            lease_confirmed = false,
-            reclaimed = false,
-            attempt_count = t.attempt_count + 1,
-            last_event_seq = t.last_event_seq + 1
-        WHERE t.id = ANY (admitted)
-        RETURNING t.*),
-    attempt AS (
-        INSERT INTO generation.attempts
-            (task_id, attempt, lease_token, tool_id, resource_key, account_group, local_day,
-             estimate_nanos)
-        SELECT started.id, started.attempt_count, started.lease_token, started.tool_id,
-               keys[array_position(ids, started.id)], groups[array_position(ids, started.id)],
-               today, estimates[array_position(ids, started.id)]
-        FROM started),
-    event AS (
-        INSERT INTO generation.task_events (task_id, sequence, kind, data)
-        SELECT started.id, started.last_event_seq, 'started',
-               jsonb_build_object('attempt', started.attempt_count)
-        FROM started
-        RETURNING *)
-    SELECT ROW(started.*)::generation.tasks, lease, NULL::text, to_jsonb(event)
-    FROM started JOIN event ON event.task_id = started.id
-    ORDER BY array_position(admitted, started.id);
-END
-$$;
-
--- Claims as claim_tasks_v3 does (its steps 1-8 below are v3's, unchanged), first trying one
--- statement for the case where nothing but the queue decides: the switch on and the global cap
--- above today's grants, the tool not paused, estimated at 0 and free of limits, cooldowns and
--- holds, with no spend today and no zero cap of its own, and every task picked estimated at 0
--- with a resource key without a limit. Then v3 would admit every task it picks, reserve nothing and grant
--- nothing, so the runs start there; else that statement changes nothing and v3's steps decide
--- (alembic 0017). A task estimated above the cap in force (the tool's own, or the global one)
--- cannot run whatever today's spend: the claim passes over it, so it holds back neither its
+-- caps have no room for. A task estimated above the cap in force (the tool's own, or the global
+-- one) cannot run whatever today's spend: the claim passes over it, so it holds back neither its
 -- tool nor the tasks behind it, and it runs in its place once the cap is raised; a claim that
--- finds only such tasks answers 'capped' (alembic 0022).
-CREATE FUNCTION generation.claim_tasks_v4(
+-- finds only such tasks answers 'capped'. The concurrency limits (max_in_flight of the tool and
+-- of the tasks' resource keys) are kept the same way: a task whose key is busy stays queued, a
+-- busy tool stops the batch. A claim of a task estimated at 0 whose tool has spent today and used
+-- up its share of the cap takes a new slice, as a paid claim does, so that the costs such runs
+-- report fit in the tool's row instead of growing the grants, and locking settings, at every
+-- close. No retry is charged here: a run is charged when it ends unsuccessfully (and only once
+-- its worker confirmed the claim). With nothing claimed, one row says why.
+-- One statement (steps A-E) first takes the case where nothing but the queue decides: the switch
+-- on and the global cap above today's grants, the tool not paused, estimated at 0 and free of
+-- limits, cooldowns and holds, with no spend today and no zero cap of its own, and every task
+-- picked estimated at 0 with a resource key without a limit. Steps 1-8 would admit every task it
+-- picks, reserve nothing and grant nothing, so the runs start there; else that statement changes
+-- nothing and steps 1-8 decide.
+CREATE FUNCTION generation.claim_tasks_v1(
     p_tool uuid, p_limit integer, p_lease_seconds integer, p_disabled boolean, p_cap bigint
 ) RETURNS TABLE (task generation.tasks, lease_seconds integer, idle_reason text, event jsonb)
 LANGUAGE plpgsql
@@ -1398,7 +834,7 @@ DECLARE
     gate record;
 BEGIN
     -- 0. The local day cannot move under a claim: a time-zone change that moves it waits for
-    --    claims in flight, and they for it (update_settings_v2).
+    --    claims in flight, and they for it (update_settings_v1).
     PERFORM pg_advisory_xact_lock_shared(1734700658);
     -- A. No gate applies: one row (read unlocked, as step 1 reads them). A paid or gated claim
     --    pays only this before step 1.
@@ -1490,7 +926,7 @@ BEGIN
             RETURN;
         END IF;
     END IF;
-    -- Else (a gate, a limit or money, or nothing to claim): claim_tasks_v3's steps.
+    -- Else (a gate, a limit or money, or nothing to claim): every rule, step by step.
     -- 1. Read the gates, unlocked: the tool, the switch and the cap in force, its cooldown/hold.
     SELECT * INTO tool FROM generation.tools WHERE id = p_tool;
     IF NOT FOUND THEN
@@ -1781,50 +1217,11 @@ END
 $$;
 
 -- HeartbeatTasks, set-wise: the batch's tasks locked in id order (two batches over the same tasks
--- take turns, never wait in a cycle), then every lease its holder still holds extended and
--- confirmed in one statement, as heartbeat_task_v1 does one. One row per item.
+-- take turns, never wait in a cycle) and found by id whatever the statistics say, then every
+-- lease its holder still holds extended and confirmed in one statement, as heartbeat_task_v1
+-- does one. One row per item.
 -- p_items: [{ordinal, task_id, lease_token}, ...].
 CREATE FUNCTION generation.heartbeat_tasks_v1(p_items jsonb, p_lease_seconds integer)
-RETURNS TABLE (ordinal integer, requested_id uuid, task_found boolean,
-               claim_expires_at timestamptz, lease_seconds integer, cancel_requested boolean)
-LANGUAGE plpgsql
-SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
-AS $$
-#variable_conflict use_column
-BEGIN
-    -- 1. Lock the tasks, then decide.
-    PERFORM 1 FROM generation.tasks AS t
-    WHERE t.id IN (SELECT (x ->> 'task_id')::uuid FROM jsonb_array_elements(p_items) AS x)
-    ORDER BY t.id
-    FOR NO KEY UPDATE;
-    -- 2. Extend and confirm the leases still running; a cancel asked for is told to the worker.
-    RETURN QUERY
-    WITH item AS (
-        SELECT * FROM jsonb_to_recordset(p_items)
-            AS x(ordinal integer, task_id uuid, lease_token uuid)),
-    beat AS (
-        UPDATE generation.tasks AS q
-        SET claim_expires_at
-                = now() + make_interval(secs => COALESCE(tl.lease_seconds, p_lease_seconds)),
-            lease_confirmed = true
-        FROM (SELECT DISTINCT task_id, lease_token FROM item) AS i, generation.tools AS tl
-        WHERE q.id = i.task_id AND tl.id = q.tool_id AND q.status = 'processing'
-          AND q.lease_token = i.lease_token AND q.claim_expires_at > now()
-        RETURNING q.id, q.lease_token, q.claim_expires_at,
-                  COALESCE(tl.lease_seconds, p_lease_seconds) AS lease,
-                  q.cancel_requested_at IS NOT NULL AS cancel)
-    SELECT item.ordinal, item.task_id,
-           beat.id IS NOT NULL
-               OR EXISTS (SELECT 1 FROM generation.tasks AS t WHERE t.id = item.task_id),
-           beat.claim_expires_at, beat.lease, beat.cancel
-    FROM item
-    LEFT JOIN beat ON beat.id = item.task_id AND beat.lease_token = item.lease_token;
-END
-$$;
-
--- HeartbeatTasks, as heartbeat_tasks_v1, its tasks found by id whatever the statistics say
--- (alembic 0014).
-CREATE FUNCTION generation.heartbeat_tasks_v2(p_items jsonb, p_lease_seconds integer)
 RETURNS TABLE (ordinal integer, requested_id uuid, task_found boolean,
                claim_expires_at timestamptz, lease_seconds integer, cancel_requested boolean)
 LANGUAGE plpgsql
@@ -1848,7 +1245,7 @@ BEGIN
             lease_confirmed = true
         FROM (SELECT DISTINCT task_id, lease_token FROM item) AS i, generation.tools AS tl
         -- Held: its lease token (set only while processing), not lapsed; as in
-        -- complete_tasks_v3, no status here, or the plan may read every processing task.
+        -- complete_tasks_v1, no status here, or the plan may read every processing task.
         WHERE q.id = i.task_id AND q.id = ANY (ids) AND tl.id = q.tool_id
           AND q.lease_token = i.lease_token AND q.claim_expires_at > now()
         RETURNING q.id, q.lease_token, q.claim_expires_at,
@@ -1867,62 +1264,14 @@ $$;
 -- it ran (its cost is kept either way). The same lease completing again (a retry after a lost
 -- answer, or a second call racing the first) changes nothing and gets the task as it is now
 -- (settled, say, or queued again by a REQUEUE); any other caller whose lease is gone changes
--- nothing but its attempt's cost.
-CREATE FUNCTION generation.complete_task_v2(
-    p_task uuid, p_token uuid, p_output jsonb, p_usage jsonb, p_cost bigint, p_resource_key text
-) RETURNS TABLE (task_found boolean, task generation.tasks, event jsonb)
-LANGUAGE plpgsql
-AS $$
-#variable_conflict use_column
-DECLARE
-    t generation.tasks;
-    a generation.attempts;
-BEGIN
-    -- 1. Lock the task, then decide.
-    SELECT * INTO t FROM generation.tasks WHERE id = p_task FOR NO KEY UPDATE;
-    IF NOT FOUND THEN
-        RETURN QUERY SELECT false, NULL::generation.tasks, NULL::jsonb;
-        RETURN;
-    END IF;
-    IF t.status = 'processing' AND t.lease_token = p_token AND t.claim_expires_at > now() THEN
-        -- 2. End the run.
-        UPDATE generation.tasks AS q
-        SET status = CASE WHEN q.cancel_requested_at IS NULL THEN 'completed' ELSE 'cancelled' END
-                     ::generation.task_status,
-            output = CASE WHEN q.cancel_requested_at IS NULL THEN p_output END,
-            reported_usage = p_usage,
-            error = CASE WHEN q.cancel_requested_at IS NULL THEN NULL ELSE 'cancelled' END,
-            completed_at = now(), claim_expires_at = NULL, lease_token = NULL,
-            lease_confirmed = false, last_event_seq = q.last_event_seq + 1
-        WHERE q.id = p_task
-        RETURNING q.* INTO t;
-        -- 3. Close its attempt with the cost; 4. the terminal event, last in the stream.
-        PERFORM generation.close_attempt_v2(
-            p_task, p_token, t.status::text::generation.attempt_outcome, p_cost, false,
-            p_resource_key);
-        RETURN QUERY SELECT true, t,
-            generation.append_event_v1(p_task, t.status::text::generation.task_event_kind, NULL);
-        RETURN;
-    END IF;
-    -- 5. Not held now: the same lease already ended the run this way -> the task as it is now.
-    SELECT * INTO a FROM generation.attempts AS x WHERE x.task_id = p_task AND x.lease_token = p_token;
-    IF a.outcome IN ('completed', 'cancelled') THEN
-        RETURN QUERY SELECT true, t, NULL::jsonb;
-        RETURN;
-    END IF;
-    -- 6. Else the lease is lost: keep what the run cost, change nothing else.
-    PERFORM generation.close_attempt_v2(p_task, p_token, 'lease_lost', p_cost, false, NULL);
-    RETURN QUERY SELECT true, NULL::generation.tasks, NULL::jsonb;
-END
-$$;
-
--- Ends a held run as complete_task_v2 does (its steps 1-6 below are v2's, unchanged), first
--- trying one statement when no money moves (no cost reported, none reserved at the claim) and
--- the lease holds: the run's end, its attempt's close and the terminal event, then the key's run
--- of failures reset in a statement of its own. Anything else (money, a repeated report, a lost
--- lease, an unknown task) changes nothing there and v2's steps decide (alembic 0017; 0018 reads
--- the attempt and the key as they are once the task is locked).
-CREATE FUNCTION generation.complete_task_v3(
+-- nothing but its attempt's cost. The one completion rule: CompleteTasks ends through it every
+-- item it does not end set-wise.
+-- When no money moves (no cost reported, none reserved at the claim) and the lease holds, one
+-- statement ends the run (steps A-C: the run's end, its attempt's close, the terminal event),
+-- then the key's run of failures is reset in a statement of its own (D). Anything else (money,
+-- a repeated report, a lost lease, an unknown task) changes nothing there, and steps 1-6 decide
+-- with the task locked, reading the attempt and the key as they are once it is.
+CREATE FUNCTION generation.complete_task_v1(
     p_task uuid, p_token uuid, p_output jsonb, p_usage jsonb, p_cost bigint, p_resource_key text
 ) RETURNS TABLE (task_found boolean, task generation.tasks, event jsonb)
 LANGUAGE plpgsql
@@ -1952,10 +1301,10 @@ BEGIN
                           WHERE x.task_id = p_task AND x.lease_token = p_token
                             AND x.outcome = 'running' AND x.estimate_nanos = 0)
             RETURNING q AS task, q.status, q.last_event_seq),
-        -- B. Close its attempt, as close_attempt_v2 closes one that moves no money: only while
+        -- B. Close its attempt, as close_attempt_v1 closes one that moves no money: only while
         --    it runs. A's EXISTS read the attempt as this statement's snapshot saw it; this
         --    UPDATE re-checks the newest version, so a close that committed meanwhile (the same
-        --    lease refused as lost once it lapsed, v2's step 6) stands, as in v2.
+        --    lease refused as lost once it lapsed, step 6) stands, as it does in steps 1-6.
         closed AS (
             UPDATE generation.attempts AS r
             SET outcome = ended.status::text::generation.attempt_outcome,
@@ -1982,7 +1331,7 @@ BEGIN
             RETURN;
         END IF;
     END IF;
-    -- Else (money, or the lease not held now): complete_task_v2's steps.
+    -- Else (money, or the lease not held now): the task locked first, then the rule decides.
     -- 1. Lock the task, then decide.
     SELECT * INTO t FROM generation.tasks WHERE id = p_task FOR NO KEY UPDATE;
     IF NOT FOUND THEN
@@ -2002,7 +1351,7 @@ BEGIN
         WHERE q.id = p_task
         RETURNING q.* INTO t;
         -- 3. Close its attempt with the cost; 4. the terminal event, last in the stream.
-        PERFORM generation.close_attempt_v2(
+        PERFORM generation.close_attempt_v1(
             p_task, p_token, t.status::text::generation.attempt_outcome, p_cost, false,
             p_resource_key);
         RETURN QUERY SELECT true, t,
@@ -2016,15 +1365,15 @@ BEGIN
         RETURN;
     END IF;
     -- 6. Else the lease is lost: keep what the run cost, change nothing else.
-    PERFORM generation.close_attempt_v2(p_task, p_token, 'lease_lost', p_cost, false, NULL);
+    PERFORM generation.close_attempt_v1(p_task, p_token, 'lease_lost', p_cost, false, NULL);
     RETURN QUERY SELECT true, NULL::generation.tasks, NULL::jsonb;
 END
 $$;
 
--- The reaper's forced fail: a task that is stale right now (stale_reason_v2, judged under the
+-- The reaper's forced fail: a task that is stale right now (stale_reason_v1, judged under the
 -- row lock with the stored thresholds) ends `failed` (a dead zombie: as its lapse decides); any
 -- other is refused, so a forced fail can never kill a live or deliberately waiting task.
-CREATE FUNCTION generation.reap_task_v2(p_task uuid, p_error text)
+CREATE FUNCTION generation.reap_task_v1(p_task uuid, p_error text)
 RETURNS TABLE (task_found boolean, task generation.tasks, event jsonb)
 LANGUAGE plpgsql
 AS $$
@@ -2040,7 +1389,7 @@ BEGIN
         RETURN QUERY SELECT false, NULL::generation.tasks, NULL::jsonb;
         RETURN;
     END IF;
-    reason := generation.stale_reason_v2(t);
+    reason := generation.stale_reason_v1(t);
     IF reason IS NULL THEN
         RETURN QUERY SELECT true, NULL::generation.tasks, NULL::jsonb;
         RETURN;
@@ -2048,7 +1397,7 @@ BEGIN
     -- 2. A dead zombie's run is ended as the rescuer would have (it is not running): handed back
     --    when unconfirmed or with retries left, failed only when that was its last run.
     IF t.status = 'processing' THEN
-        RETURN QUERY SELECT true, e.task, e.event FROM generation.end_lapsed_run_v2(t) AS e;
+        RETURN QUERY SELECT true, e.task, e.event FROM generation.end_lapsed_run_v1(t) AS e;
         RETURN;
     END IF;
     -- 3. Fail it.
@@ -2060,7 +1409,7 @@ BEGIN
     WHERE q.id = p_task
     RETURNING q.* INTO t;
     IF prior IS NOT NULL THEN
-        PERFORM generation.close_attempt_v2(p_task, prior, 'abandoned', 0, false, NULL);
+        PERFORM generation.close_attempt_v1(p_task, prior, 'abandoned', 0, false, NULL);
     END IF;
     -- 4. The terminal event.
     RETURN QUERY SELECT true, t, generation.append_event_v1(
@@ -2073,8 +1422,8 @@ $$;
 -- Retryable: one retry used; requeued with full-jitter backoff while retries remain, else failed.
 -- Account: requeued without using a retry (the group is held). Cancelled, or any failure of a run
 -- whose cancel was asked for: cancelled. Permanent: failed. Without a lease token it is the
--- reaper's forced fail (reap_task_v2). A retry by the same lease gets the task as it is now.
-CREATE FUNCTION generation.fail_task_v2(
+-- reaper's forced fail (reap_task_v1). A retry by the same lease gets the task as it is now.
+CREATE FUNCTION generation.fail_task_v1(
     p_task uuid, p_token uuid, p_failure text, p_error text, p_cost bigint, p_resource_key text
 ) RETURNS TABLE (task_found boolean, forced boolean, task generation.tasks, event jsonb)
 LANGUAGE plpgsql
@@ -2087,7 +1436,7 @@ DECLARE
     ending text;
 BEGIN
     IF p_token IS NULL THEN
-        RETURN QUERY SELECT r.task_found, true, r.task, r.event FROM generation.reap_task_v2(p_task, p_error) AS r;
+        RETURN QUERY SELECT r.task_found, true, r.task, r.event FROM generation.reap_task_v1(p_task, p_error) AS r;
         RETURN;
     END IF;
     -- 1. Lock the task, then decide.
@@ -2121,7 +1470,7 @@ BEGIN
         WHERE q.id = p_task
         RETURNING q.* INTO t;
         -- 3. Close the attempt with its cost; 4. the event (terminal unless requeued).
-        PERFORM generation.close_attempt_v2(
+        PERFORM generation.close_attempt_v1(
             p_task, p_token, ending::generation.attempt_outcome, p_cost,
             p_failure = 'retryable' AND ending <> 'cancelled', p_resource_key);
         RETURN QUERY SELECT true, false, t, generation.append_event_v1(
@@ -2138,80 +1487,22 @@ BEGIN
         RETURN;
     END IF;
     -- 6. Else the lease is lost: keep what the run cost, change nothing else.
-    PERFORM generation.close_attempt_v2(p_task, p_token, 'lease_lost', p_cost, false, NULL);
+    PERFORM generation.close_attempt_v1(p_task, p_token, 'lease_lost', p_cost, false, NULL);
     RETURN QUERY SELECT true, false, NULL::generation.tasks, NULL::jsonb;
 END
 $$;
 
 -- Locks what a batch of reports (CompleteTasks, FailTasks) may change, each kind in key order and
 -- in the lock order: the tasks, their attempts under the reported leases, the tools money moves
--- on (a reservation to release or a cost to add), then the existing cooldown and hold rows of
--- the runs' keys and groups (settings before them when a cost may grow the grants). The items'
--- transitions then find those rows held, so two batches over the same tools or keys, or a batch
--- and the rescuer, do not wait on each other in a cycle (two first failures of one new key
--- still insert it one after the other).
--- p_items: [{task_id, lease_token, cost_nanos, resource_key}, ...].
+-- on (a reservation to release or a cost to add), settings when a cost may grow the grants, then
+-- the existing cooldown and hold rows of the runs' keys and groups. The items' transitions then
+-- find those rows held, so two batches over the same tools or keys, or a batch and the rescuer,
+-- do not wait on each other in a cycle; failures claim the cooldown and hold rows they may
+-- create before any such row is locked. The rows are found through index conditions on the
+-- batch's own keys (`= ANY` of its task ids, of its lease tokens), which bound the scans whatever
+-- the statistics say, and what the later locks need is read from the attempts once.
+-- p_items: [{task_id, lease_token, failure, cost_nanos, resource_key}, ...].
 CREATE FUNCTION generation.lock_reported_v1(p_items jsonb) RETURNS void
-LANGUAGE plpgsql
-AS $$
-BEGIN
-    PERFORM 1 FROM generation.tasks AS t
-    WHERE t.id IN (SELECT (x ->> 'task_id')::uuid FROM jsonb_array_elements(p_items) AS x)
-    ORDER BY t.id
-    FOR NO KEY UPDATE;
-    PERFORM 1 FROM generation.attempts AS a
-    WHERE (a.task_id, a.lease_token) IN (
-        SELECT (x ->> 'task_id')::uuid, (x ->> 'lease_token')::uuid
-        FROM jsonb_array_elements(p_items) AS x)
-    ORDER BY a.task_id, a.attempt
-    FOR NO KEY UPDATE;
-    PERFORM 1 FROM generation.tools AS tl
-    WHERE tl.id IN (
-        SELECT a.tool_id
-        FROM jsonb_array_elements(p_items) AS x
-        JOIN generation.attempts AS a
-          ON a.task_id = (x ->> 'task_id')::uuid AND a.lease_token = (x ->> 'lease_token')::uuid
-        WHERE a.outcome = 'running' AND a.estimate_nanos > 0
-           OR COALESCE((x ->> 'cost_nanos')::bigint, 0) > 0)
-    ORDER BY tl.id
-    FOR NO KEY UPDATE;
-    -- A cost above what its run reserved may grow the total of grants (close_attempt_v2): then
-    -- settings comes before the cooldowns, as in one close.
-    PERFORM 1 FROM generation.settings
-    WHERE EXISTS (
-        SELECT 1 FROM jsonb_array_elements(p_items) AS x
-        JOIN generation.attempts AS a
-          ON a.task_id = (x ->> 'task_id')::uuid AND a.lease_token = (x ->> 'lease_token')::uuid
-        WHERE COALESCE((x ->> 'cost_nanos')::bigint, 0)
-              > CASE WHEN a.outcome = 'running' THEN a.estimate_nanos ELSE 0 END)
-    FOR NO KEY UPDATE;
-    PERFORM 1 FROM generation.cooldowns AS c
-    WHERE c.resource_key IN (
-        SELECT COALESCE(x ->> 'resource_key', a.resource_key)
-        FROM jsonb_array_elements(p_items) AS x
-        JOIN generation.attempts AS a
-          ON a.task_id = (x ->> 'task_id')::uuid AND a.lease_token = (x ->> 'lease_token')::uuid)
-    ORDER BY c.resource_key
-    FOR NO KEY UPDATE;
-    PERFORM 1 FROM generation.holds AS h
-    WHERE h.account_group IN (
-        SELECT a.account_group
-        FROM jsonb_array_elements(p_items) AS x
-        JOIN generation.attempts AS a
-          ON a.task_id = (x ->> 'task_id')::uuid AND a.lease_token = (x ->> 'lease_token')::uuid)
-    ORDER BY h.account_group
-    FOR NO KEY UPDATE;
-END
-$$;
-
--- As lock_reported_v1, its rows found through index conditions on the batch's own keys
--- (`= ANY` of its task ids, of its lease tokens), which bound the scans whatever the statistics
--- say, and what the later locks need read from the attempts once: v1 joined the ledger again for
--- each kind of row, and a cached plan could read every attempt of the batch's tools (alembic
--- 0014).
--- Failures claim the cooldown and hold rows they may create before any such row is locked
--- (alembic 0019).
-CREATE FUNCTION generation.lock_reported_v2(p_items jsonb) RETURNS void
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan SET enable_seqscan = off SET jit = off
 AS $$
@@ -2271,153 +1562,17 @@ BEGIN
 END
 $$;
 
--- CompleteTasks: the batch's rows locked (lock_reported_v1), then each item as CompleteTask,
--- in task-id order; one row per item, with its ordinal.
-CREATE FUNCTION generation.complete_tasks_v1(p_items jsonb)
-RETURNS TABLE (ordinal integer, requested_id uuid, task_found boolean, task generation.tasks,
-               event jsonb)
-LANGUAGE plpgsql
-AS $$
-BEGIN
-    PERFORM generation.lock_reported_v1(p_items);
-    RETURN QUERY
-    SELECT i.ordinal, i.task_id, c.task_found, c.task, c.event
-    FROM (SELECT * FROM jsonb_to_recordset(p_items) AS x(
-              ordinal integer, task_id uuid, lease_token uuid, output jsonb, reported_usage jsonb,
-              cost_nanos bigint, resource_key text)
-          ORDER BY x.task_id, x.ordinal) AS i,
-         LATERAL generation.complete_task_v2(i.task_id, i.lease_token, i.output,
-                                             i.reported_usage, i.cost_nanos, i.resource_key) AS c;
-END
-$$;
-
 -- CompleteTasks, set-wise: the batch's rows locked (lock_reported_v1), then every run a reported
--- lease still holds ends at once, each as complete_task_v2 ends one (the task `completed`, or
+-- lease still holds ends at once, each as complete_task_v1 ends one (the task `completed`, or
 -- `cancelled` when a cancel was asked for; its attempt closed with its cost; the money moved on
--- its tool; its key's run of failures reset; the terminal event), one statement for them all.
--- A tool's counters move once for the batch: its share grows by what the batch's spend exceeds
--- it, where runs closed one by one might have grown it in steps. The other items (a repeated
--- report, a lost lease, a task reported twice) then go through complete_task_v2 one by one, in
--- task-id order. One row per item.
+-- its tool; its key's run of failures reset; the terminal event), one statement for them all,
+-- its rows found by key whatever the statistics say (the tasks by id, their attempts by lease
+-- token). A tool's counters move once for the batch: its share grows by what the batch's spend
+-- exceeds it, where runs closed one by one might have grown it in steps. The other items (a
+-- repeated report, a lost lease, a task reported twice) then go through complete_task_v1 one by
+-- one, in task-id order. One row per item.
 -- p_items: [{ordinal, task_id, lease_token, output, reported_usage, cost_nanos, resource_key}, ...].
-CREATE FUNCTION generation.complete_tasks_v2(p_items jsonb)
-RETURNS TABLE (ordinal integer, requested_id uuid, task_found boolean, task generation.tasks,
-               event jsonb)
-LANGUAGE plpgsql
-SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
-AS $$
-#variable_conflict use_column
-DECLARE
-    today date;
-    r record;
-    ended integer[] := '{}';
-BEGIN
-    -- 1. Lock what the batch may change, in the lock order.
-    PERFORM generation.lock_reported_v1(p_items);
-    SELECT (now() AT TIME ZONE s.timezone)::date INTO today FROM generation.settings AS s;
-    -- 2. End the held runs: a statement after the locks, so it reads the rows as they are now.
-    FOR r IN
-        WITH item AS (
-            SELECT DISTINCT ON (x.task_id, x.lease_token) *
-            FROM jsonb_to_recordset(p_items) AS x(
-                ordinal integer, task_id uuid, lease_token uuid, output jsonb, reported_usage jsonb,
-                cost_nanos bigint, resource_key text)
-            ORDER BY x.task_id, x.lease_token, x.ordinal),
-        done AS (
-            UPDATE generation.tasks AS q
-            SET status = CASE WHEN q.cancel_requested_at IS NULL THEN 'completed'
-                              ELSE 'cancelled' END::generation.task_status,
-                output = CASE WHEN q.cancel_requested_at IS NULL THEN item.output END,
-                reported_usage = item.reported_usage,
-                error = CASE WHEN q.cancel_requested_at IS NULL THEN NULL ELSE 'cancelled' END,
-                completed_at = now(), claim_expires_at = NULL, lease_token = NULL,
-                lease_confirmed = false, last_event_seq = q.last_event_seq + 1
-            FROM item
-            WHERE q.id = item.task_id AND q.status = 'processing'
-              AND q.lease_token = item.lease_token AND q.claim_expires_at > now()
-            RETURNING q AS task, item.ordinal, item.lease_token,
-                      COALESCE(item.cost_nanos, 0) AS cost, item.resource_key),
-        -- Each run's attempt closes with its cost (close_attempt_v2's step 3).
-        closed AS (
-            UPDATE generation.attempts AS a
-            SET outcome = (done.task).status::text::generation.attempt_outcome,
-                resource_key = COALESCE(done.resource_key, a.resource_key),
-                cost_nanos = a.cost_nanos + done.cost,
-                ended_at = COALESCE(a.ended_at, now())
-            FROM done
-            WHERE a.task_id = (done.task).id AND a.lease_token = done.lease_token
-              AND a.outcome = 'running'
-            RETURNING a.tool_id, a.local_day, a.estimate_nanos, a.outcome, a.resource_key,
-                      done.cost),
-        -- Today's runs release their reservations and add their costs, per tool (step 4).
-        money AS (
-            SELECT t.id,
-                   CASE WHEN t.spent_day = today THEN t.spent_nanos ELSE 0 END + m.cost AS spent,
-                   CASE WHEN t.spent_day = today THEN t.reserved_nanos - m.released ELSE 0 END
-                       AS reserved,
-                   CASE WHEN t.spent_day = today THEN t.granted_nanos ELSE 0 END AS granted
-            FROM (SELECT closed.tool_id, sum(closed.estimate_nanos) AS released,
-                         sum(closed.cost) AS cost
-                  FROM closed
-                  WHERE closed.local_day = today AND (closed.estimate_nanos > 0 OR closed.cost > 0)
-                  GROUP BY closed.tool_id) AS m
-            JOIN generation.tools AS t ON t.id = m.tool_id
-            WHERE t.spent_day IS NULL OR t.spent_day <= today),
-        moved AS (
-            UPDATE generation.tools AS t
-            SET spent_nanos = money.spent, reserved_nanos = money.reserved,
-                granted_nanos = GREATEST(money.granted, money.spent + money.reserved),
-                spent_day = today
-            FROM money WHERE t.id = money.id
-            RETURNING GREATEST(0, money.spent + money.reserved - money.granted) AS growth),
-        -- A cost above its estimate grows the tool's share, and so the total of grants.
-        grown AS (
-            UPDATE generation.settings AS x
-            SET granted_nanos = CASE WHEN x.granted_day = today THEN x.granted_nanos ELSE 0 END
-                                + g.growth,
-                granted_day = today
-            FROM (SELECT sum(moved.growth) AS growth FROM moved) AS g
-            WHERE g.growth > 0 AND (x.granted_day IS NULL OR x.granted_day <= today)),
-        -- A completed run ends its key's run of failures (step 5).
-        cooled AS (
-            UPDATE generation.cooldowns AS c SET consecutive_failures = 0
-            WHERE c.resource_key IN (SELECT closed.resource_key FROM closed
-                                     WHERE closed.outcome = 'completed')
-              AND c.consecutive_failures > 0),
-        -- The terminal event, last in each stream.
-        appended AS (
-            INSERT INTO generation.task_events (task_id, sequence, kind, data)
-            SELECT (done.task).id, (done.task).last_event_seq,
-                   (done.task).status::text::generation.task_event_kind, '{}'
-            FROM done
-            RETURNING *)
-        SELECT done.ordinal, done.task, to_jsonb(appended) AS event
-        FROM done JOIN appended ON appended.task_id = (done.task).id
-    LOOP
-        ended := ended || r.ordinal;
-        ordinal := r.ordinal;
-        requested_id := (r.task).id;
-        task_found := true;
-        task := r.task;
-        event := r.event;
-        RETURN NEXT;
-    END LOOP;
-    -- 3. Every other item as CompleteTask, which sees what step 2 did.
-    RETURN QUERY
-    SELECT i.ordinal, i.task_id, c.task_found, c.task, c.event
-    FROM (SELECT * FROM jsonb_to_recordset(p_items) AS x(
-              ordinal integer, task_id uuid, lease_token uuid, output jsonb, reported_usage jsonb,
-              cost_nanos bigint, resource_key text)
-          WHERE NOT x.ordinal = ANY (ended)
-          ORDER BY x.task_id, x.ordinal) AS i,
-         LATERAL generation.complete_task_v2(i.task_id, i.lease_token, i.output,
-                                             i.reported_usage, i.cost_nanos, i.resource_key) AS c;
-END
-$$;
-
--- CompleteTasks, as complete_tasks_v2, its rows found by key whatever the statistics say
--- (alembic 0014): the held runs' tasks by id, their attempts by lease token.
-CREATE FUNCTION generation.complete_tasks_v3(p_items jsonb)
+CREATE FUNCTION generation.complete_tasks_v1(p_items jsonb)
 RETURNS TABLE (ordinal integer, requested_id uuid, task_found boolean, task generation.tasks,
                event jsonb)
 LANGUAGE plpgsql
@@ -2431,7 +1586,7 @@ DECLARE
     ids uuid[] := ARRAY(SELECT (x ->> 'task_id')::uuid FROM jsonb_array_elements(p_items) AS x);
 BEGIN
     -- 1. Lock what the batch may change, in the lock order.
-    PERFORM generation.lock_reported_v2(p_items);
+    PERFORM generation.lock_reported_v1(p_items);
     SELECT (now() AT TIME ZONE s.timezone)::date INTO today FROM generation.settings AS s;
     -- 2. End the held runs: a statement after the locks, so it reads the rows as they are now.
     FOR r IN
@@ -2467,7 +1622,7 @@ BEGIN
                    done.cost
             FROM done JOIN generation.attempts AS a
               ON a.lease_token = done.lease_token AND a.task_id = done.id),
-        -- Each run's attempt closes with its cost (close_attempt_v2's step 3).
+        -- Each run's attempt closes with its cost (close_attempt_v1's step 3).
         closed AS (
             UPDATE generation.attempts AS a
             SET outcome = run.status::text::generation.attempt_outcome,
@@ -2544,16 +1699,18 @@ BEGIN
               cost_nanos bigint, resource_key text)
           WHERE NOT x.ordinal = ANY (ended)
           ORDER BY x.task_id, x.ordinal) AS i,
-         LATERAL generation.complete_task_v2(i.task_id, i.lease_token, i.output,
+         LATERAL generation.complete_task_v1(i.task_id, i.lease_token, i.output,
                                              i.reported_usage, i.cost_nanos, i.resource_key) AS c;
 END
 $$;
 
--- FailTasks: as complete_tasks_v1, each item as FailTask with its lease.
+-- FailTasks: the batch's rows locked (lock_reported_v1), then each item as FailTask with its lease,
+-- in task-id order; one row per item, with its ordinal.
 CREATE FUNCTION generation.fail_tasks_v1(p_items jsonb)
 RETURNS TABLE (ordinal integer, requested_id uuid, task_found boolean, forced boolean,
                task generation.tasks, event jsonb)
 LANGUAGE plpgsql
+SET plan_cache_mode = force_generic_plan SET enable_seqscan = off SET jit = off
 AS $$
 BEGIN
     PERFORM generation.lock_reported_v1(p_items);
@@ -2563,27 +1720,7 @@ BEGIN
               ordinal integer, task_id uuid, lease_token uuid, failure text, error text,
               cost_nanos bigint, resource_key text)
           ORDER BY x.task_id, x.ordinal) AS i,
-         LATERAL generation.fail_task_v2(i.task_id, i.lease_token, i.failure, i.error,
-                                         i.cost_nanos, i.resource_key) AS c;
-END
-$$;
-
--- FailTasks, as fail_tasks_v1 with lock_reported_v2 (alembic 0014).
-CREATE FUNCTION generation.fail_tasks_v2(p_items jsonb)
-RETURNS TABLE (ordinal integer, requested_id uuid, task_found boolean, forced boolean,
-               task generation.tasks, event jsonb)
-LANGUAGE plpgsql
-SET plan_cache_mode = force_generic_plan SET enable_seqscan = off SET jit = off
-AS $$
-BEGIN
-    PERFORM generation.lock_reported_v2(p_items);
-    RETURN QUERY
-    SELECT i.ordinal, i.task_id, c.task_found, c.forced, c.task, c.event
-    FROM (SELECT * FROM jsonb_to_recordset(p_items) AS x(
-              ordinal integer, task_id uuid, lease_token uuid, failure text, error text,
-              cost_nanos bigint, resource_key text)
-          ORDER BY x.task_id, x.ordinal) AS i,
-         LATERAL generation.fail_task_v2(i.task_id, i.lease_token, i.failure, i.error,
+         LATERAL generation.fail_task_v1(i.task_id, i.lease_token, i.failure, i.error,
                                          i.cost_nanos, i.resource_key) AS c;
 END
 $$;
@@ -2591,7 +1728,7 @@ $$;
 -- Hands a held task back without using a retry: a worker that stops on purpose (SIGTERM drain)
 -- releases what it could not finish. A run whose cancel was asked for ends cancelled instead.
 -- p_unconfirmed: the service itself hands back a claim whose answer it could not deliver.
-CREATE FUNCTION generation.release_task_v2(
+CREATE FUNCTION generation.release_task_v1(
     p_task uuid, p_token uuid, p_cost bigint, p_unconfirmed boolean
 ) RETURNS TABLE (task_found boolean, task generation.tasks, event jsonb)
 LANGUAGE plpgsql
@@ -2615,7 +1752,7 @@ BEGIN
                 RETURN;
             END IF;
             RETURN QUERY SELECT true, h.task, h.event
-                FROM generation.hand_back_unconfirmed_v2(t, false) AS h;
+                FROM generation.hand_back_unconfirmed_v1(t, false) AS h;
             RETURN;
         END IF;
         -- 2. Back to the queue (or cancelled), no retry used.
@@ -2631,7 +1768,7 @@ BEGIN
         WHERE q.id = p_task
         RETURNING q.* INTO t;
         -- 3. Close the attempt with its cost; 4. the event.
-        PERFORM generation.close_attempt_v2(p_task, p_token, ending::generation.attempt_outcome, p_cost, false, NULL);
+        PERFORM generation.close_attempt_v1(p_task, p_token, ending::generation.attempt_outcome, p_cost, false, NULL);
         RETURN QUERY SELECT true, t, generation.append_event_v1(
             p_task,
             CASE ending WHEN 'cancelled' THEN 'cancelled' ELSE 'requeued' END
@@ -2646,7 +1783,7 @@ BEGIN
         RETURN;
     END IF;
     -- 6. Else the lease is lost: keep what the run cost, change nothing else.
-    PERFORM generation.close_attempt_v2(p_task, p_token, 'lease_lost', p_cost, false, NULL);
+    PERFORM generation.close_attempt_v1(p_task, p_token, 'lease_lost', p_cost, false, NULL);
     RETURN QUERY SELECT true, NULL::generation.tasks, NULL::jsonb;
 END
 $$;
@@ -2723,48 +1860,12 @@ $$;
 
 -- Queues a failed, cancelled or expired task again with fresh retries. If its reservation was
 -- already settled, the task starts a new settlement round with the reservation given here; if
--- not, the old reservation is kept and settles once, when the task ends again.
-CREATE FUNCTION generation.retry_task_v1(p_task uuid, p_reserved bigint)
-RETURNS TABLE (task_found boolean, task generation.tasks, event jsonb)
-LANGUAGE plpgsql
-AS $$
-#variable_conflict use_column
-DECLARE
-    t generation.tasks;
-BEGIN
-    -- 1. Lock the task, then decide.
-    SELECT * INTO t FROM generation.tasks WHERE id = p_task FOR NO KEY UPDATE;
-    IF NOT FOUND THEN
-        RETURN QUERY SELECT false, NULL::generation.tasks, NULL::jsonb;
-        RETURN;
-    END IF;
-    IF t.status NOT IN ('failed', 'cancelled', 'expired') THEN
-        RETURN QUERY SELECT true, NULL::generation.tasks, NULL::jsonb;
-        RETURN;
-    END IF;
-    -- 2. Queue it again.
-    UPDATE generation.tasks AS q
-    SET status = 'queued', retry_count = 0, unconfirmed_claims = 0, reclaimed = false,
-        error = NULL, completed_at = NULL, cancel_requested_at = NULL,
-        run_at = now(), queued_at = now(), settled_at = NULL,
-        settlement_round = q.settlement_round + (q.settled_at IS NOT NULL)::int,
-        reserved_token_amount = CASE WHEN q.settled_at IS NOT NULL THEN p_reserved
-                                     ELSE q.reserved_token_amount END,
-        expires_at = CASE WHEN q.expires_at IS NULL THEN NULL ELSE now() + (q.expires_at - q.run_at) END,
-        last_event_seq = q.last_event_seq + 1
-    WHERE q.id = p_task
-    RETURNING q.* INTO t;
-    -- 3. The event: followers of the old run learn it runs again.
-    RETURN QUERY SELECT true, t, generation.append_event_v1(
-        p_task, 'requeued', jsonb_build_object('retried', true, 'retry_count', 0));
-END
-$$;
-
--- As retry_task_v1, and idempotent under a key: the retry writes `retry_key` into the `requeued`
--- event it appends, and a call whose key is already in the task's stream answers the task as it
--- is now and changes nothing. So a RetryTask sent again after its answer was lost neither queues
--- a task that has run since nor starts another settlement round (alembic 0021).
-CREATE FUNCTION generation.retry_task_v2(p_task uuid, p_reserved bigint, p_key text)
+-- not, the old reservation is kept and settles once, when the task ends again. Idempotent under
+-- a key: the retry writes `retry_key` into the `requeued` event it appends, and a call whose key
+-- is already in the task's stream answers the task as it is now and changes nothing. So a
+-- RetryTask sent again after its answer was lost neither queues a task that has run since nor
+-- starts another settlement round.
+CREATE FUNCTION generation.retry_task_v1(p_task uuid, p_reserved bigint, p_key text)
 RETURNS TABLE (task_found boolean, retried_now boolean, task generation.tasks, event jsonb)
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan SET enable_seqscan = off SET jit = off
@@ -2811,8 +1912,8 @@ BEGIN
 END
 $$;
 
--- Hands lapsed leases back, up to p_batch at a time, each decided by end_lapsed_run_v2.
-CREATE FUNCTION generation.rescue_lapsed_v2(p_batch integer)
+-- Hands lapsed leases back, up to p_batch at a time, each decided by end_lapsed_run_v1.
+CREATE FUNCTION generation.rescue_lapsed_v1(p_batch integer)
 RETURNS TABLE (task generation.tasks, event jsonb)
 LANGUAGE plpgsql
 AS $$
@@ -2844,7 +1945,7 @@ BEGIN
     -- 3. End each run.
     FOR i IN 1 .. COALESCE(array_length(ids, 1), 0) LOOP
         SELECT * INTO t FROM generation.tasks WHERE id = ids[i];
-        RETURN QUERY SELECT * FROM generation.end_lapsed_run_v2(t);
+        RETURN QUERY SELECT * FROM generation.end_lapsed_run_v1(t);
     END LOOP;
 END
 $$;
@@ -2960,9 +2061,9 @@ $$;
 
 -- Changes the global settings; NULL leaves a setting as it is. Spend never drops by a change:
 -- when a new time zone puts "today" on another date, today's attempts move to the new date and
--- its counters and shares are counted anew from the ledger. A change of the switch or the cap restarts the watchdog's clock of every
--- waiting task (a deliberate wait just ended).
-CREATE FUNCTION generation.update_settings_v2(
+-- its counters and shares are counted anew from the ledger. A change of the switch or the cap
+-- restarts the watchdog's clock of every waiting task (a deliberate wait just ended).
+CREATE FUNCTION generation.update_settings_v1(
     p_enabled boolean, p_cap bigint, p_clear_cap boolean, p_currency text, p_timezone text,
     p_cooldown_threshold integer, p_cooldown_seconds integer, p_account_hold_seconds integer,
     p_retention_days integer, p_processing_grace_seconds integer, p_queued_max_age_seconds integer
@@ -3033,10 +2134,9 @@ $$;
 -- Every transition runs with its statements planned once per connection (a custom plan for each
 -- call cost the claim half its time) and by key only: a generic plan lives as long as its
 -- connection, and one made while a table was small (the ledger right after a deploy) would
--- otherwise scan the whole table on every call until the next ANALYZE (alembic 0010). None is
--- JIT-compiled (alembic 0014): disabled scans are priced at 10^10, which a session with JIT on
--- would compile for. A PL/pgSQL function added later carries the three settings
--- (tests/test_schema.py checks it).
+-- otherwise scan the whole table on every call until the next ANALYZE. None is JIT-compiled:
+-- disabled scans are priced at 10^10, which a session with JIT on would compile for. A PL/pgSQL
+-- function added later carries the three settings (tests/test_schema.py checks it).
 DO $$
 DECLARE
     f regprocedure;

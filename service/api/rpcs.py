@@ -20,8 +20,8 @@ from psycopg.types.json import Jsonb
 
 from generation.task.v1 import options_pb2, task_pb2
 from generation.task.v1.reasons import Reason
-from service import messages, validation
-from service.errors import (
+from service.api import messages, validation
+from service.api.errors import (
     IdempotencyKeyReused,
     InvalidArgument,
     LeaseLost,
@@ -32,9 +32,9 @@ from service.errors import (
     TaskNotTerminal,
     ToolNotFound,
 )
-from service.messages import Row
+from service.api.messages import Row
+from service.api.signals import Signals
 from service.settings import Settings
-from service.signals import Signals
 
 DEFAULT_TTL_SECONDS = 7 * 86_400
 MAX_TTL_SECONDS = 10 * 365 * 86_400
@@ -45,8 +45,6 @@ MAX_CLAIM_BATCH = 100
 MAX_NAME = 200
 MAX_IN_FLIGHT = 100_000
 """The highest concurrency limit of a tool or a resource key."""
-MIN_LEASE_SECONDS = 10
-"""The lease floor: a shorter one cannot outlive one slow heartbeat (the SDK beats every third)."""
 DEFAULT_PAGE = 500
 MAX_PAGE = 10_000
 MAX_TEXT = 8_192
@@ -62,7 +60,7 @@ Params = dict[str, Any]
 
 HAND_BACK_SQL = (
     "SELECT c.task_found, c.event, (c.task).* "
-    "FROM generation.release_task_v2(%(task_id)s, %(lease_token)s, 0, true) AS c"
+    "FROM generation.release_task_v1(%(task_id)s, %(lease_token)s, 0, true) AS c"
 )
 """ClaimNextTask's other half: a claim whose caller's deadline passed before its answer left is
 handed straight back, costing nothing (see the RPC's comment in task.proto)."""
@@ -515,7 +513,7 @@ def bind_configure_tool(request: task_pb2.ConfigureToolRequest, settings: Settin
         "lease_seconds": _optional(
             request,
             "lease_seconds",
-            lambda n, v: validation.in_range(n, v, MIN_LEASE_SECONDS, 86_400),
+            lambda n, v: validation.in_range(n, v, settings.min_lease_seconds, 86_400),
         ),
         "resource_key": _optional(request, "resource_key", _key),
         "account_group": _optional(request, "account_group", _key),
@@ -935,5 +933,5 @@ BINDINGS: dict[str, Binding] = {
     ),
 }
 
-# Server-streaming: the statement reads one page of events; service/handlers.py follows.
+# Server-streaming: the statement reads one page of events; service/api/handlers.py follows.
 WATCH = bind_watch_task_events

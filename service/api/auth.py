@@ -20,9 +20,9 @@ The handlers ask in this order, inside their one error boundary:
 The other services on the port are not the data plane's: gRPC health answers anyone (probes),
 and reflection, under GENQ_AUTH=required, any valid token (`ReflectionGuard`).
 
-Validated tokens are cached for at most TOKEN_CACHE_SECONDS, so a revocation (or an expiry)
-takes effect on every replica within that time; tool names never change, so a tool id's name
-is cached for good.
+Validated tokens are cached for at most GENQ_TOKEN_CACHE_SECONDS (15), so a revocation (or an
+expiry) takes effect on every replica within that time; tool names never change, so a tool id's
+name is cached for good.
 """
 
 from __future__ import annotations
@@ -42,14 +42,11 @@ from psycopg.types.json import Jsonb
 
 from generation.task.v1 import options_pb2, task_pb2
 from service import tokens
+from service.api.errors import RoleNotAllowed, ToolNotAllowed, Unauthenticated, rpc_status_of
+from service.api.rpcs import SERVICE, Params
 from service.database import Database
-from service.errors import RoleNotAllowed, ToolNotAllowed, Unauthenticated, rpc_status_of
-from service.rpcs import SERVICE, Params
 from service.settings import Settings
 
-TOKEN_CACHE_SECONDS = 15.0
-"""How long a looked-up token is trusted without asking the database again (the contract: a
-revocation reaches every replica within 30 s)."""
 MAX_CACHED = 10_000
 """Tokens and tool names kept; past it the cache starts over (it only saves lookups)."""
 TASK_CACHE = 50_000
@@ -153,6 +150,7 @@ class Guard:
     def __init__(self, database: Database, settings: Settings) -> None:
         self.database = database
         self.required = settings.auth_required
+        self.token_cache_seconds = settings.token_cache_seconds
         self._tokens: dict[uuid.UUID, _Cached] = {}
         self._tool_names: dict[str, str] = {}
         self._task_tools: dict[str, str] = {}
@@ -185,7 +183,7 @@ class Guard:
 
     async def _look_up(self, token_id: uuid.UUID, timeout: float | None) -> _Cached:
         rows = await self.database.fetch(TOKEN_SQL, {"id": token_id}, timeout=timeout)
-        lifetime = TOKEN_CACHE_SECONDS
+        lifetime = self.token_cache_seconds
         if not rows:
             cached = _Cached(b"", None, time.monotonic() + lifetime)
         else:

@@ -11,7 +11,7 @@ from typing import Any
 from google.protobuf import duration_pb2, struct_pb2, timestamp_pb2
 from psycopg.types.json import Jsonb
 
-from service.errors import InvalidArgument
+from service.api.errors import InvalidArgument
 
 _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 _UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")

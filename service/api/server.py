@@ -4,9 +4,9 @@ and, with GENQ_PROCESSES above 1, the parent that runs that many of them on one 
 Several processes (`serve_processes`): the parent binds nothing but the HTTP status port and a
 reservation of the gRPC port (the free one GENQ_PORT=0 picks is chosen here, so every child gets
 the same), then starts the children with the spawn start method. Each child is a whole service
-(its own pool, health, wake listener, housekeeping) bound to the port with SO_REUSEPORT, so the
+(its own pool, health, wake listener, leader loop) bound to the port with SO_REUSEPORT, so the
 kernel spreads new connections over them. The parent serves the status page and /metrics for
-the host (the RPC metrics summed over the children's multiprocess files, service/metrics.py),
+the host (the RPC metrics summed over the children's multiprocess files, service/api/metrics.py),
 forwards SIGTERM and SIGINT to every child and waits for their graceful stop, and when a child
 exits on its own it stops the others and exits 1. A child whose parent is gone stops itself.
 """
@@ -34,17 +34,21 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from service import housekeeping, logs, tracing
-from service.auth import ReflectionGuard
-from service.database import Database
-from service.handlers import Handlers
-from service.http import StatusServer, page_url
-from service.metrics import Metrics
-from service.rpcs import SERVICE
+from service import logs, tracing
+from service.api.auth import ReflectionGuard
+from service.api.handlers import Handlers
+from service.api.metrics import Metrics
+from service.api.rpcs import SERVICE
+from service.api.signals import Signals
+from service.database import STOP_STATEMENT_SECONDS, Database
+from service.leader.lease import Leadership
+from service.leader.overrides import overrides, show_overrides, withdraw_overrides
+from service.leader.run import run
+from service.leader.waits import warn_at_start
+from service.page.app import StatusServer, page_url
 from service.settings import Settings
-from service.signals import Signals
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(logs.SERVER_LOGGER)
 
 # A ping every second, each bounded by GENQ_PING_TIMEOUT_SECONDS (1.5): health turns NOT_SERVING
 # at most interval + ping timeout (2.5 s) after Postgres stops answering, idle or busy.
@@ -123,6 +127,10 @@ def validate(settings: Settings) -> None:
         raise SystemExit("GENQ_LEADER_RENEW_SECONDS must be above 0")
     if settings.leader_ttl_seconds <= settings.leader_renew_seconds:
         raise SystemExit("GENQ_LEADER_TTL_SECONDS must be above GENQ_LEADER_RENEW_SECONDS")
+    if settings.min_lease_seconds < 1:
+        raise SystemExit("GENQ_MIN_LEASE_SECONDS must be at least 1")
+    if settings.token_cache_seconds < 0:
+        raise SystemExit("GENQ_TOKEN_CACHE_SECONDS must not be negative")
 
 
 def announce(settings: Settings) -> None:
@@ -236,11 +244,11 @@ async def _serve(
             [SERVICE.full_name, health.SERVICE_NAME, reflection.SERVICE_NAME], server
         )
     replica = uuid.uuid4()  # this process: its overrides' row, its claim on the leader lease
-    leadership = housekeeping.Leadership(database, settings, replica)
-    if housekeeping.overrides(settings):
-        # Shown before this replica serves, and refreshed by housekeeping while it runs.
+    leadership = Leadership(database, settings, replica)
+    if overrides(settings):
+        # Shown before this replica serves, and refreshed by the leader loop while it runs.
         try:
-            await housekeeping.show_overrides(database, settings, replica)
+            await show_overrides(database, settings, replica)
         except Exception as error:
             log.warning("could not show this replica's overrides yet: %s", error)
     # The status page and /metrics; a port in use fails the start, like the gRPC port.
@@ -262,7 +270,7 @@ async def _serve(
     if http_port is not None:
         announce(settings)  # once per host: by the process serving the page
         log.info("status page and /metrics on %s", page_url(settings, http_port))
-        await housekeeping.warn_at_start(database, settings)
+        await warn_at_start(database, settings)
     if ready:
         ready(port)
 
@@ -273,7 +281,7 @@ async def _serve(
     background = [
         asyncio.create_task(watch_health(database, health_servicer)),
         asyncio.create_task(
-            housekeeping.run(
+            run(
                 database,
                 signals,
                 settings,
@@ -291,15 +299,15 @@ async def _serve(
         await status_server.close()
     handlers.stop()
     await server.stop(settings.shutdown_grace_seconds)
-    await handlers.hand_backs_done(housekeeping.STOP_STATEMENT_SECONDS)
+    await handlers.hand_backs_done(STOP_STATEMENT_SECONDS)
     for job in background:
         job.cancel()
     await asyncio.gather(*background, return_exceptions=True)
     await leadership.resign()  # after the sweeps stopped: the next leader never overlaps them
     await signals.close()
-    if housekeeping.overrides(settings):
+    if overrides(settings):
         try:
-            await housekeeping.withdraw_overrides(database, replica)
+            await withdraw_overrides(database, replica)
         except Exception as error:  # it lapses in 30 s anyway
             log.warning("could not withdraw this replica's overrides: %s", error)
     log.info("stopped")
@@ -378,7 +386,7 @@ async def _supervise(
         http_port = await status_server.start()
         announce(settings)
         log.info("status page and /metrics on %s", page_url(settings, http_port))
-        await housekeeping.warn_at_start(database, settings)
+        await warn_at_start(database, settings)
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)

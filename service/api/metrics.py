@@ -6,7 +6,7 @@
   (unary calls; a stream lasts as long as its task). `grpc_service` is the full name
   (`generation.task.v1.GenerationDataService`), `grpc_type` `unary` or `server_stream`,
   `grpc_code` Go's spelling (`OK`, `InvalidArgument`, `Canceled`, ...). The handlers
-  (service/handlers.py) record each call (`rpc_started`, `observe_rpc`); plus
+  (service/api/handlers.py) record each call (`rpc_started`, `observe_rpc`); plus
   `genq_process_rpc_requests_total{process}`, the same calls by service process. With one
   process they count its calls. With several (GENQ_PROCESSES), every child records into
   prometheus_client's multiprocess files (PROMETHEUS_MULTIPROC_DIR, a directory the parent
@@ -41,9 +41,9 @@ from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from generation.task.v1 import task_pb2
+from service.api.errors import ServiceError
+from service.api.rpcs import SERVICE
 from service.database import Database
-from service.errors import ServiceError
-from service.rpcs import SERVICE
 
 log = logging.getLogger(__name__)
 

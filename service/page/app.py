@@ -2,13 +2,13 @@
 
     GET /              the status page: what runs, what does not and why, the last hour's chart
     GET /status.json   the GetStatus answer as JSON (proto field names, every field, defaults too)
-    GET /metrics       Prometheus text format (service/metrics.py)
+    GET /metrics       Prometheus text format (service/api/metrics.py)
     GET /healthz       200 while Postgres answers within HEALTHZ_TIMEOUT_SECONDS, else 503
 
 HEAD works wherever GET does; any other method is 405 (changes go through gRPC and the CLI), any
 other path 404.
 
-Guarded like the gRPC port (service/auth.py): with GENQ_TLS_CERT_FILE it speaks TLS only (and
+Guarded like the gRPC port (service/api/auth.py): with GENQ_TLS_CERT_FILE it speaks TLS only (and
 asks for a client certificate under GENQ_TLS_CLIENT_CA_FILE). Under GENQ_AUTH=required every
 path but /healthz needs a token of a role that may call GetStatus: `Authorization: Bearer` for
 scrapers; a person gets a login form instead, whose POST /login sets the token as an HttpOnly,
@@ -19,7 +19,7 @@ POST /logout clears it. The Host header must be one of the names the port answer
 The page and the JSON run the GetStatus statement through its binding, exactly as the RPC does,
 so there is one copy of that SQL; the page adds the newest audit entries and the first stale
 tasks, through their RPCs' statements too. It is drawn on the server from the Jinja2 templates
-in service/templates/ (the chart is inline SVG), has no script and loads nothing else; it
+in service/page/templates/ (the chart is inline SVG), has no script and loads nothing else; it
 reloads itself every REFRESH_SECONDS.
 """
 
@@ -42,14 +42,14 @@ from google.protobuf import json_format
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from generation.task.v1 import task_pb2
-from service.auth import RULES, Caller, Guard, anonymous, bearer
+from service.api.auth import RULES, Caller, Guard, anonymous, bearer
+from service.api.errors import ServiceError, Unauthenticated
+from service.api.metrics import Metrics
+from service.api.rpcs import BINDINGS, STATEMENTS
 from service.database import Database
-from service.errors import ServiceError, Unauthenticated
-from service.housekeeping import cap_in_force, over_cap
-from service.metrics import Metrics
-from service.rpcs import BINDINGS, STATEMENTS
+from service.leader.waits import cap_in_force, over_cap
 from service.settings import Settings
-from workers_sdk.cli.render import money
+from workers_sdk.money import money
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ AUDIT_SHOWN = 10
 STALE_SHOWN = 5
 
 TEMPLATES = jinja2.Environment(
-    loader=jinja2.PackageLoader("service", "templates"),
+    loader=jinja2.PackageLoader("service.page", "templates"),
     autoescape=True,
     undefined=jinja2.StrictUndefined,
     trim_blocks=True,
@@ -344,7 +344,7 @@ def _login_form(status: HTTPStatus, message: str) -> web.Response:
 # --- the page -------------------------------------------------------------------------------------
 #
 # What the page says is decided here (which banners, which badges, where each bar goes); how it
-# looks is in service/templates/page.html. Every value reaches the HTML through Jinja2's
+# looks is in service/page/templates/page.html. Every value reaches the HTML through Jinja2's
 # autoescape.
 
 

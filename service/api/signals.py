@@ -45,9 +45,9 @@ from typing import Any
 import psycopg
 import redis.asyncio as redis
 
+from service.api.wake import Wake
 from service.database import connection_kwargs
 from service.settings import Settings
-from service.wake import Wake
 
 log = logging.getLogger(__name__)
 

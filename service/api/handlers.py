@@ -1,7 +1,7 @@
 """The handlers: every RPC is identify and admit the caller -> parse -> scope -> validate -> its
 statement (with its audit row when audited) -> map the rows (redacted for a viewer), and every
 failure leaves through one boundary as a gRPC status with an ErrorInfo. What a caller may do is
-decided in service/auth.py.
+decided in service/api/auth.py.
 
 Two RPCs add a loop around their statement: a claim with `wait` re-runs it when woken, and
 WatchTaskEvents re-runs its page query until the terminal event.
@@ -27,10 +27,9 @@ from google.protobuf.message import DecodeError, Message
 from opentelemetry import propagate, trace
 
 from generation.task.v1 import task_pb2
-from service import messages
-from service.auth import Guard
-from service.database import Database
-from service.errors import (
+from service.api import messages
+from service.api.auth import Guard
+from service.api.errors import (
     DeadlineExceeded,
     Internal,
     InvalidArgument,
@@ -38,9 +37,9 @@ from service.errors import (
     TaskNotFound,
     rpc_status_of,
 )
-from service.messages import Row
-from service.metrics import Metrics
-from service.rpcs import (
+from service.api.messages import Row
+from service.api.metrics import Metrics
+from service.api.rpcs import (
     BINDINGS,
     HAND_BACK_SQL,
     SERVICE,
@@ -51,8 +50,9 @@ from service.rpcs import (
     signal_event,
     signal_requeue,
 )
+from service.api.signals import TERMINAL_EVENTS, Signals
+from service.database import Database
 from service.settings import Settings
-from service.signals import TERMINAL_EVENTS, Signals
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("genq.service")
@@ -80,8 +80,8 @@ class Handlers:
         self._stopping = False
 
     def stop(self) -> None:
-        """The service is stopping: parked claims answer now, as if their wait ran out (they
-        held the stop for its whole grace, then failed UNAVAILABLE; found in review)."""
+        """The service is stopping: parked claims answer now, as if their wait ran out, rather
+        than hold the stop for its whole grace and then fail UNAVAILABLE."""
         self._stopping = True
         self.signals.tools.notify_all()
 

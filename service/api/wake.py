@@ -3,7 +3,7 @@
 A waiter registers *before* it reads the database and waits *after*: a notify that lands while
 it reads is not lost (the spec's clear-before-sweep). Waking is best effort; every waiter also
 re-reads on a short timer, so correctness never depends on a wake arriving. Wakes from other
-processes and replicas (Postgres NOTIFY, Redis) arrive here through service/signals.py.
+processes and replicas (Postgres NOTIFY, Redis) arrive here through service/api/signals.py.
 """
 
 from __future__ import annotations
