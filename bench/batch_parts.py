@@ -1,5 +1,5 @@
 """Where the service's side of a drained batch goes, part by part: ClaimTasks, HeartbeatTasks
-and CompleteTasks of `--items` tasks each (docs/BENCHMARKS.md, sixth round).
+and CompleteTasks of `--items` tasks each (docs/BENCHMARKS.md, "Floors and parts").
 
     .venv/bin/python bench/batch_parts.py [--items 100] [--rounds 12]
 

@@ -1,5 +1,5 @@
 """Where one QueueTasks of 1,000 items spends its time, part by part, in one process (what bounds
-the enqueue bar: docs/BENCHMARKS.md, "fourth round").
+the enqueue bar: docs/BENCHMARKS.md, "Floors and parts").
 
     .venv/bin/python bench/enqueue_parts.py [--items 1000] [--rounds 15]
 

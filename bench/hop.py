@@ -1,5 +1,5 @@
 """The hop: the service without its middleware, to tell what the middleware costs from what
-grpcio, psycopg, the bindings and the statements cost (docs/BENCHMARKS.md, "fourth round").
+grpcio, psycopg, the bindings and the statements cost (docs/BENCHMARKS.md, "Floors and parts").
 
     DATABASE_URL=... GENQ_PORT=... .venv/bin/python bench/hop.py
 

@@ -30,7 +30,7 @@ its session settings jit=off and the service's statement_timeout for all three):
    its run, opens its attempt and appends the `started` event; the complete ends the run if the
    lease holds, closes the attempt and appends the terminal event. No gates, spend, limits,
    cooldowns or polls: an upper bound for the service line, not a design (planned like the
-   service's transitions, with enable_seqscan off, alembic 0010).
+   service's transitions, with enable_seqscan off).
 
 `--tasks` must exceed what the fastest line (the spec's) drains in warm-up + seconds: a claim that
 finds the queue empty makes pgbench abort its run (its gset gets no row), and the program stops.

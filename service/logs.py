@@ -24,11 +24,11 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # With GENQ_PROCESSES above 1, a child's lines say which process wrote them (genq-N).
 CHILD_TEXT_FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
 
-# The loggers docs/OPERATIONS.md names for alerts keep their names whichever module logs.
-SERVER_LOGGER = "service.server"
+# The loggers docs/OPERATIONS.md names for alerts: one per package, whichever module logs.
+SERVER_LOGGER = "service.api"
 """A service process's life: listening, `database DOWN`, children exiting, stopped
 (service/api/server.py)."""
-LEADER_LOGGER = "service.housekeeping"
+LEADER_LOGGER = "service.leader"
 """The leader's work: the election, the sweeps, the overrides, why tasks wait
 (service/leader/)."""
 

@@ -335,7 +335,7 @@ def test_a_batch_locks_two_leases_of_one_task_in_attempt_order(
     """A batch naming a task's current lease before a stale one locks their attempts in
     (task, attempt) order, as every transition does: a transaction that holds the first attempt
     and then wants the second (a time-zone change locks today's attempts so) must not deadlock
-    with it. The review of alembic 0014 found lock_reported_v1 locking them in item order."""
+    with it, as it would were they locked in item order."""
     task = queue(stub, tool_id)
     first = claim_many(stub, tool_id, 1).tasks[0]
     stub.ReleaseTask(task_pb2.ReleaseTaskRequest(task_id=task.id, lease_token=first.lease_token))
@@ -372,9 +372,9 @@ def test_failure_batches_creating_two_new_keys_in_opposite_orders_both_succeed(
 ) -> None:
     """The first retryable failure of a key inserts its cooldown row. Two FailTasks batches that
     create the same two new keys, each in its own task order, must not each wait for the
-    other's insert: the review of the batch paths saw Postgres break that cycle by failing one
-    (alembic 0019). Here the first batch is held between its two items (its first task's next
-    event is taken, uncommitted) while the second starts."""
+    other's insert (Postgres would break that cycle by failing one). Here the first batch is
+    held between its two items (its first task's next event is taken, uncommitted) while the
+    second starts."""
     for _ in range(4):
         queue(stub, tool_id)
     t1, t2, t3, t4 = sorted(claim_many(stub, tool_id, 4).tasks, key=lambda c: c.task.id)

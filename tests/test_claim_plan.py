@@ -231,7 +231,7 @@ def test_a_claim_a_gate_holds_is_flat_too(loaded: psycopg.Connection[dict[str, A
 
 def test_close_reads_the_ledger_by_key_after_it_grew(databases: Databases) -> None:
     """A connection keeps its plans: ones made while the attempts ledger was analyzed empty must
-    not scan the whole ledger once it has grown (alembic 0010, enable_seqscan = off)."""
+    not scan the whole ledger once it has grown (enable_seqscan = off)."""
     url = url_for(databases.create("ledger_plan"))
     with psycopg.connect(url, autocommit=True, row_factory=dict_row) as connection:
         tool = make_tool(connection)
@@ -288,7 +288,7 @@ def test_batch_reports_read_their_own_rows_whatever_is_in_flight(databases: Data
     """A report batch reads its own tasks and attempts by key, not every run in flight: with the
     statistics taken while nothing ran (the partial indexes of processing tasks and running
     attempts then look empty), a CompleteTasks and a HeartbeatTasks of 100 among 2,000 in flight
-    fetched every running row per batch (alembic 0014; the 8-tool drain spent 180 ms a batch)."""
+    must not fetch every running row per batch."""
     url = url_for(databases.create("report_plan"))
     in_flight, batch = 2_000, 100
     with psycopg.connect(url, autocommit=True, row_factory=dict_row) as connection:
@@ -385,7 +385,7 @@ def test_a_free_claim_and_its_completion_run_in_one_statement_each(databases: Da
         assert fast_claim in texts and step_2 not in texts
         claimed, texts = ran(STATEMENTS["ClaimNextTask"], {"tool_id": paid, **gates})
         assert claimed["id"] is not None
-        assert fast_claim not in texts and step_2 in texts, "money moves: v3's steps decide"
+        assert fast_claim not in texts and step_2 in texts, "money moves: the planned steps decide"
 
         connection.execute(STATEMENTS["ClaimNextTask"], {"tool_id": free, **gates})
         lease = connection.execute(
@@ -401,10 +401,12 @@ def test_a_free_claim_and_its_completion_run_in_one_statement_each(databases: Da
             "cost_nanos": 0,
             "resource_key": None,
         }
-        fast_complete, v2_lock = "WITH ended AS", "WHERE id = p_task FOR NO KEY UPDATE"
+        fast_complete, locked_first = "WITH ended AS", "WHERE id = p_task FOR NO KEY UPDATE"
         completed, texts = ran(STATEMENTS["CompleteTask"], report)
         assert completed["status"] == "completed"
-        assert fast_complete in texts and v2_lock not in texts
+        assert fast_complete in texts and locked_first not in texts
         costed, texts = ran(STATEMENTS["CompleteTask"], {**report, "cost_nanos": 5})
         assert costed["status"] == "completed"
-        assert fast_complete not in texts and v2_lock in texts, "money moves: v2's steps decide"
+        assert fast_complete not in texts and locked_first in texts, (
+            "money moves: the locked steps decide"
+        )

@@ -813,7 +813,7 @@ def test_purge_deletes_old_finished_tasks_in_batches(
     events = cdb.execute(
         "SELECT count(*) AS n FROM generation.task_events WHERE task_id = ANY (%s::uuid[])", [old]
     ).fetchone()
-    assert events == {"n": 0}  # the run's, the cancel's: purged with their tasks (alembic 0016)
+    assert events == {"n": 0}  # the run's, the cancel's: purged with their tasks
     attempts = cdb.execute(
         "SELECT count(*) AS n FROM generation.attempts WHERE task_id = %s", [ran]
     ).fetchone()

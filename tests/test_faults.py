@@ -248,7 +248,7 @@ def test_a_retry_sent_again_with_its_key_neither_fails_nor_runs_the_task_twice(
     the same RetryTask again, once while the task waits and once after it ran, failed and was
     settled again. Each answers the task as it is, retried_now false, and changes nothing:
     without the key the second call failed FAILED_PRECONDITION and the third queued the task
-    once more, refunding one reservation twice (alembic 0021)."""
+    once more, refunding one reservation twice."""
     task = queue(stub, tool_id, reserved_token_amount=50, max_retries=1)
     claimed = claim(stub, tool_id)
     stub.FailTask(task_pb2.FailTaskRequest(task_id=task.id, lease_token=claimed.lease_token))
@@ -338,7 +338,7 @@ def test_a_requeue_sent_again_with_its_key_does_not_run_the_task_twice(
 
 
 def test_a_task_keeps_its_last_16_requeue_keys(stub: Stub, db: Db, tool_id: str) -> None:
-    """A task requeued every night must not grow its row without end (found in review)."""
+    """A task requeued every night must not grow its row without end."""
     made = stub.QueueTask(requeue_request(tool_id, "k0"))
     for n in range(1, 18):
         run_and_settle(stub, tool_id, made.task.id)
@@ -352,8 +352,8 @@ def test_a_requeue_racing_its_own_resend_queues_the_task_once(
     """The first REQUEUE holds the row; the same request, sent again, waits for it with a
     snapshot taken before the first one commits, and meanwhile the task has finished again
     (here: cancelled in the first one's transaction). The resend must see the key on the row it
-    then locks: reading it from the events in its snapshot, it queued the task a second time
-    (found in review)."""
+    then locks: reading it from the events in its snapshot would queue the task a second
+    time."""
     request = requeue_request(tool_id, "k1")
     made = stub.QueueTask(
         task_pb2.QueueTaskRequest(
@@ -562,7 +562,7 @@ def test_a_completion_that_waited_for_its_task_resets_a_failure_of_its_key_from_
     """A free completion waits for its task's lock (a heartbeat in flight, held here); another
     task of the same key fails meanwhile. The success comes after that failure, so it ends the
     key's run of failures: left at 1, one more failure would count as two and could cool the
-    key (alembic 0018)."""
+    key."""
     first, second = queue(stub, tool_id), queue(stub, tool_id)
     claimed = {c.task.id: c for c in (claim(stub, tool_id), claim(stub, tool_id))}
     mine, other = claimed[first.id], claimed[second.id]
@@ -830,7 +830,7 @@ def test_a_paid_claim_never_waits_for_an_open_enqueue(
 ) -> None:
     """Seen: a paid claim took FOR UPDATE on its tool row, which waited for the KEY SHARE that
     every open enqueue of that tool held through the tasks' foreign key: one 1,000-item
-    QueueTasks stalled every paid claim. With the key gone (alembic 0015) an open enqueue holds
+    QueueTasks stalled every paid claim. Without that key an open enqueue holds
     no lock a claim could wait for, and claims take FOR NO KEY UPDATE anyway; this fails should
     a lock between the two come back."""
     stub.ConfigureTool(task_pb2.ConfigureToolRequest(tool_id=tool_id, cost_estimate_nanos=10))

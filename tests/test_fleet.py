@@ -255,7 +255,7 @@ def test_output_the_service_refuses_fails_the_task(
     service: ServiceProcess, db: Db, size: int
 ) -> None:
     """An output over the service's size limit (INVALID_ARGUMENT), or over gRPC's message limit
-    (RESOURCE_EXHAUSTED: it was run again until its retries were used up, found in review), can
+    (RESOURCE_EXHAUSTED, else it is run again until its retries are used up), can
     never be stored: the task fails at once instead of being run (and paid for) again."""
     name = tool_name()
     fleet = new_fleet(service)
@@ -384,7 +384,7 @@ def test_lost_lease_is_signalled_and_the_result_dropped(
 ) -> None:
     """Another claimer takes the task (its token replaces ours): the next heartbeat or event
     publish hears LEASE_LOST, the handler sees ctx.lease_lost and is cancelled (it ran on for
-    nothing, holding its slot: found in review), and its result is dropped."""
+    nothing, holding its slot), and its result is dropped."""
     name = tool_name()
     heartbeat_interval = 0.2 if noticed_by == "heartbeat" else 60.0
     fleet = new_fleet(service, heartbeat_interval=heartbeat_interval)
@@ -804,7 +804,7 @@ def test_scripted_heartbeats_follow_the_lease() -> None:
 
 
 def test_scripted_without_a_lease_the_beat_is_heartbeat_interval() -> None:
-    """An older service answers no lease: the beat stays at heartbeat_interval."""
+    """An answer that gives no lease leaves the beat at heartbeat_interval."""
     client = ScriptedClient(lambda n: task_pb2.HeartbeatTaskResponse(), claim_lease=None)
 
     async def handler(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
@@ -1211,60 +1211,6 @@ def test_a_batch_is_held_at_most_report_delay() -> None:
     assert delay <= sent_alone - alone < delay + 0.5
 
 
-class OldServiceClient(ScriptedClient):
-    """A service without the batch RPCs (UNIMPLEMENTED), with three claimable tasks."""
-
-    def __init__(self) -> None:
-        super().__init__(ok())
-        self.queued = [f"task-{n}" for n in range(3)]
-
-    async def call(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
-        if method in {"ClaimTasks", "HeartbeatTasks", "CompleteTasks", "FailTasks"}:
-            self.log.append(method)
-            raise GenqError(grpc.StatusCode.UNIMPLEMENTED, "unknown method", None)
-        if method == "ClaimNextTask" and self.queued:
-            self.log.append(method)
-            task_id = self.queued.pop(0)
-            return task_pb2.ClaimNextTaskResponse(
-                task=task_pb2.Task(id=task_id), lease_token=f"token-{task_id}", lease=lease(30)
-            )
-        self.claimed = True
-        return await super().call(method, request, timeout=timeout)
-
-
-def test_scripted_an_older_service_gets_the_single_rpcs() -> None:
-    client = OldServiceClient()
-    fleet = WorkerFleet(cast(GenqClient, client), poll_interval=0.05, drain_timeout=1)
-    gate = asyncio.Event()
-    ran: list[str] = []
-
-    async def handler(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
-        ran.append(task.id)
-        if len(ran) == 3:
-            gate.set()
-        await asyncio.wait_for(gate.wait(), 5)  # all three report together
-        return {}
-
-    fleet.register("old", handler, concurrency=3)
-
-    async def main() -> None:
-        work = asyncio.create_task(fleet.run(handle_signals=False))
-        await asyncio.wait_for(gate.wait(), 5)
-        deadline = time.monotonic() + 5
-        while client.log.count("CompleteTask") < 3:
-            assert time.monotonic() < deadline, client.log
-            await asyncio.sleep(0.01)
-        fleet.stop()
-        await asyncio.wait_for(work, 10)
-
-    asyncio.run(main())
-    assert sorted(ran) == ["task-0", "task-1", "task-2"]
-    log = [entry for entry in client.log if entry != "ClaimNextTask"]
-    assert log.count("ClaimTasks") == 1, "asked once, then never again"
-    assert log.count("HeartbeatTask") == 3 and log.count("CompleteTask") == 3
-    assert log.count("CompleteTasks") <= 1 and log.count("HeartbeatTasks") <= 1
-
-
 class BatchScriptedClient(ScriptedClient):
     """A service with the batch RPCs: one ClaimTasks brings `tasks` tasks, every beat passes,
     and `complete` answers the n-th CompleteTasks (from 1); `batches` logs (method, items)."""
@@ -1349,8 +1295,8 @@ def test_scripted_a_batch_that_fails_unavailable_is_retried_together() -> None:
 
 def test_scripted_a_claim_that_comes_in_after_the_drain_deadline_is_handed_back_unrun() -> None:
     """A claim parked when the fleet stops brings a task after the drain's deadline: it is
-    confirmed (the beat may have committed) and released at once, its handler never started.
-    It was run, then released midway for another worker to run again (found in review)."""
+    confirmed (the beat may have committed) and released at once, its handler never started
+    (not run, then released midway for another worker to run again)."""
     client = ScriptedClient(ok())
     parked, stopping = asyncio.Event(), asyncio.Event()
     answer = client.call
@@ -1388,8 +1334,8 @@ def test_scripted_a_claim_that_comes_in_after_the_drain_deadline_is_handed_back_
 
 def test_scripted_a_report_is_tried_until_its_lease_ends() -> None:
     """CompleteTasks answers UNAVAILABLE five times (a service restarting, ~3 s): the reports
-    keep trying within their lease (30 s), batched again, and land. Four tries in 1.4 s gave
-    up, and the task's result was lost and the task run again (found in review)."""
+    keep trying within their lease (30 s), batched again, and land: giving up sooner loses the
+    task's result and runs the task again."""
 
     def complete(n: int, request: Any) -> Any:
         if n <= 5:
@@ -1428,8 +1374,8 @@ def test_scripted_a_report_is_tried_until_its_lease_ends() -> None:
 
 def test_scripted_a_stop_with_the_service_down_ends_soon_after_the_drain_deadline() -> None:
     """Reports that cannot get through are tried until their lease ends (30 s here), but a
-    stop ends DRAIN_REPORT_SECONDS after the drain's deadline: it waited the whole lease (120 s
-    with the service's default; found in review)."""
+    stop ends DRAIN_REPORT_SECONDS after the drain's deadline, not the whole lease later (120 s
+    with the service's default)."""
 
     def complete(n: int, request: Any) -> Any:
         raise unavailable()

@@ -112,7 +112,7 @@ def test_json_lines_and_the_level(databases: Databases, tmp_path: Path) -> None:
         assert set(entry) >= JSON_KEYS, entry
         assert entry["level"] in ("WARNING", "ERROR", "CRITICAL"), entry
     (warning,) = [e for e in entries if "no daily spend cap" in e["message"]]
-    assert warning["logger"] == "service.housekeeping" and "`genq cap" in warning["message"]
+    assert warning["logger"] == "service.leader" and "`genq cap" in warning["message"]
 
 
 def test_the_json_formatter_carries_the_exception() -> None:

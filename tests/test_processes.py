@@ -100,7 +100,7 @@ def test_every_process_serves_one_port_and_parent_metrics_count_them_all(host: H
     log = service.log_path.read_text()
     assert f"genq serving gRPC on port {service.port}" in log
     for number in (1, 2, 3):
-        assert f"genq-{number} service.server: GenerationDataService listening on" in log
+        assert f"genq-{number} service.api: GenerationDataService listening on" in log
     # One process of the host leads the maintenance sweeps, whatever else runs on the database.
     assert len(re.findall(r"genq-\d service\.housekeeping: leader: this process", log)) == 1
 
@@ -169,7 +169,7 @@ def test_a_child_that_dies_stops_the_others_and_the_host_fails(
     wait_for(lambda: gone(first), what="the surviving child to be stopped")
     log = service.log_path.read_text()
     assert f"service process 2 (pid {second}) exited with status -9; stopping the others" in log
-    assert "genq-1 service.server: stopped" in log
+    assert "genq-1 service.api: stopped" in log
 
 
 def test_children_of_a_killed_parent_stop_on_their_own(database_url: str, tmp_path: Path) -> None:

@@ -535,8 +535,8 @@ def test_a_task_estimated_above_the_cap_in_force_is_passed_over_until_it_is_rais
     stub: Stub, sdb: Db, cap: str
 ) -> None:
     """No day's room could take it: it does not hold back its tool or the tasks behind it, the
-    status names it, and it runs in its place once the cap is raised (alembic 0022). Before, it
-    stopped every claim of its tool for good, and nothing said why."""
+    status names it, and it runs in its place once the cap is raised: it must not stop every
+    claim of its tool for good with nothing saying why."""
     set_cap(stub, 100 if cap == "global" else UNLIMITED)
     tool_id = new_tool(stub, **({"daily_cap_nanos": 100} if cap == "tool" else {}))
     big = queue(stub, tool_id, cost_estimate_nanos=150, priority=10)

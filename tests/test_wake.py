@@ -106,9 +106,7 @@ def test_wake_crosses_replicas_through_redis(
 def test_enqueue_publishes_the_tool_id_after_commit(
     redis_service: ServiceProcess, redis_environment: str
 ) -> None:
-    subscriber = redis.Redis.from_url(REDIS_URL).pubsub(  # type: ignore[no-untyped-call]
-        ignore_subscribe_messages=True
-    )
+    subscriber = redis.Redis.from_url(REDIS_URL).pubsub(ignore_subscribe_messages=True)
     subscriber.subscribe(f"{redis_environment}:common:task:wake")
     try:
         tool_id = new_tool(redis_service)

@@ -173,7 +173,7 @@ def a_dearer_task_ahead_short_of_todays_room(
 ) -> Callable[[], object]:
     """The tool's cap has 40 left today and the task ahead in claim order is estimated at 50:
     the claim stops there, so the task behind it (estimated at 0, which fits) waits on the cap
-    too (alembic 0022: it was called abandoned and reaped)."""
+    too, and is not called abandoned and reaped."""
     stub.ConfigureTool(task_pb2.ConfigureToolRequest(tool_id=tool_id, daily_cap_nanos=100))
     db.execute(
         "UPDATE generation.tools AS t SET spent_nanos = 60, "
@@ -262,9 +262,8 @@ def test_a_task_with_its_own_key_and_group_waits_as_the_claim_makes_it_wait(
 ) -> None:
     """The claim holds every task of a tool back while the tool's own key cools, its own group
     is held or its own key is at its limit, and a task's own key at its limit holds that task:
-    the watchdog counts each as a wait, as it counts a cooldown of the task's own key. It once
-    looked only at the task's own key and group, and called such a task abandoned (alembic
-    0020)."""
+    the watchdog counts each as a wait, as it counts a cooldown of the task's own key, and
+    does not call such a task abandoned."""
     own = OWN_KEY.format(tool=wtool)
     task = waiting_an_hour(wdb, wstub, wtool, resource_key=own, account_group=own)
     lift = hold(wdb, wstub, wtool)
@@ -378,7 +377,7 @@ def test_a_replica_overriding_the_cap_is_a_wait_until_shortly_after_it_is_gone(
 ) -> None:
     """A replica run with GENQ_DAILY_CAP_NANOS=0 holds every task back. Once it has not been
     seen for the 30 s its override still counts, the task has its max age from then, as after
-    a GENQ_DISABLED replica (a review found it abandoned at once, alembic 0020). A live one
+    a GENQ_DISABLED replica (not abandoned at once). A live one
     whose cap leaves room holds nothing back, and the watchdog still finds the task."""
     task = waiting_an_hour(wdb, wstub, wtool)
     replica = uuid.uuid4()
@@ -439,7 +438,7 @@ def test_a_poll_counts_for_the_seconds_a_claim_may_leave_unnoted(
     wdb: Db, wstub: Stub, wtool: str
 ) -> None:
     """A claim notes its tool's poll at most every 5 s, so under a short queued_max_age a tool
-    whose worker kept asking looked unattended between two notes (alembic 0022)."""
+    whose worker keeps asking must not look unattended between two notes."""
     task = waiting_an_hour(wdb, wstub, wtool)
     forget_waits(wdb, wtool)
     wdb.execute(

@@ -114,7 +114,7 @@ RULES = {
         "backoff_base_seconds must be at least 0, and backoff_max_seconds at least "
         "backoff_base_seconds (stored values count for the fields not sent)"
     ),
-    "tools_lease_floor": "lease_seconds must be at least 10",
+    "tools_lease_floor": "lease_seconds must be at least 1",
     "tools_max_in_flight_positive": "max_in_flight must be at least 1",
     "tools_money_nonnegative": "amounts of money cannot be negative",
     "tasks_priority_range": "priority must be between -100 and 100",

@@ -43,7 +43,7 @@ CREATE TABLE generation.tools (
     CONSTRAINT tools_backoff_range
         CHECK (backoff_base_seconds >= 0 AND backoff_max_seconds >= backoff_base_seconds),
     -- The floor: a shorter lease cannot be kept alive across one slow heartbeat.
-    CONSTRAINT tools_lease_floor CHECK (lease_seconds >= 10),
+    CONSTRAINT tools_lease_floor CHECK (lease_seconds >= 1),
     CONSTRAINT tools_max_in_flight_positive CHECK (max_in_flight >= 1),
     CONSTRAINT tools_money_nonnegative
         CHECK (cost_estimate_nanos >= 0 AND daily_cap_nanos >= 0
