@@ -2,7 +2,9 @@
 process, a gRPC stub, and a direct connection for moving time and checking rows.
 
 Postgres (GENQ_TEST_ADMIN_URL) and Redis (GENQ_TEST_REDIS_URL) must be reachable: a test session
-that cannot reach them fails; nothing is skipped.
+that cannot reach them fails; nothing is skipped. Tests live by kind: unit/ (no database),
+integration/ (the service against Postgres and Redis), faults/ (kills, lost answers, a private
+Postgres made to fail, races), migration/ (the baseline and the schema); each folder is a marker.
 """
 
 from __future__ import annotations
@@ -35,6 +37,16 @@ ROOT = Path(__file__).resolve().parent.parent
 ADMIN_URL = os.environ.get("GENQ_TEST_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 UNLIMITED = 10**17  # nanos: the largest cap the service takes (100 million units a day)
 REDIS_URL = os.environ.get("GENQ_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+KINDS = ("unit", "integration", "faults", "migration")
+"""The folders tests live in by kind, each a marker (`pytest -m unit`, `-m "not faults"`)."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks each test with its folder's kind."""
+    for item in items:
+        kind = item.path.parent.name
+        if kind in KINDS:
+            item.add_marker(getattr(pytest.mark, kind))
 
 
 def wait_for(condition: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
@@ -193,7 +205,7 @@ class ServiceProcess:
             "GENQ_HOST": "127.0.0.1",
             "GENQ_RESCUE_INTERVAL_SECONDS": "0.2",
             # One process per service: dozens of services share the machine's Postgres and its
-            # max_connections; tests/test_processes.py runs several on purpose.
+            # max_connections; tests/integration/test_processes.py runs several on purpose.
             "GENQ_PROCESSES": "1",
             **env,
         }

@@ -1,4 +1,4 @@
-"""A worker process for tests/test_worker_processes.py: one WorkerFleet hosting one tool.
+"""A worker process for tests/faults/test_worker_processes.py: one WorkerFleet hosting one tool.
 
 Environment: GENQ_ADDR, GENQ_TOOL, WORKER_ID, GENQ_CONCURRENCY, GENQ_POLL_INTERVAL,
 GENQ_HEARTBEAT_INTERVAL, GENQ_DRAIN_TIMEOUT.

@@ -1,7 +1,7 @@
 """What a tool worker (or a gateway) installs to talk to the genq data plane over gRPC.
 
 No database driver is imported here, nor by anything below: only the service holds the Postgres
-credentials (`tests/test_sdk_import.py` checks it).
+credentials (`tests/unit/test_sdk_import.py` checks it).
 """
 
 from workers_sdk.client import Credentials, GenqClient, current_traceparent, trace_metadata

@@ -2,7 +2,7 @@
 
 The upgrade runs that file itself, read from the installed package `generation.task.v1`
 (proto/build.py copies it there), so a database migrated to this revision is exactly schema.sql;
-tests/test_schema.py checks it. The downgrade drops the schema: schema.sql creates nothing
+tests/migration/test_schema.py checks it. The downgrade drops the schema: schema.sql creates nothing
 outside it.
 
 Revision ID: 0001

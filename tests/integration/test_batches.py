@@ -15,8 +15,8 @@ from google.protobuf import duration_pb2, json_format, timestamp_pb2
 
 from generation.task.v1 import task_pb2
 from tests.conftest import ServiceProcess, wait_for
+from tests.integration.test_semantics import Db, Stub, queue, row
 from tests.invariants import assert_invariants
-from tests.test_semantics import Db, Stub, queue, row
 from workers_sdk.errors import Reason, from_rpc_error
 
 

@@ -30,7 +30,7 @@ from psycopg.rows import dict_row
 
 from generation.task.v1 import task_pb2
 from tests.conftest import Databases, ServiceProcess, url_for, wait_for
-from tests.test_semantics import Db, Stub, row
+from tests.integration.test_semantics import Db, Stub, row
 from workers_sdk import (
     AccountError,
     CancelledError,

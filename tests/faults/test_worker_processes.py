@@ -200,7 +200,7 @@ def test_stopped_worker_completion_is_refused_after_another_completed(
     # the 2 s lease) are both overdue: the handler returns at once and the fleet stops the beat
     # before an answer can come back, so A goes straight to CompleteTask with its old token. (A
     # beat that hears LEASE_LOST first makes the fleet drop the result without trying:
-    # tests/test_fleet.py covers that path.)
+    # tests/integration/test_fleet.py covers that path.)
     a = start_worker("A", GENQ_HEARTBEAT_INTERVAL="30")
     task_id = queue(short_leases.stub, tool[1], input={"seconds": 0.8})
     wait_for(lambda: starts(sdb, task_id) == ["A"], timeout=20, what="worker A to start")

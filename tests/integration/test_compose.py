@@ -351,7 +351,7 @@ def test_the_image_installs_the_service_and_holds_what_the_commands_run() -> Non
         for pair in shlex.split(args)
     )
     # A plain install: the wheel carries the migrations, so nothing may lean on the copy in
-    # WORKDIR (tests/test_migrations.py runs `genq migrate` from such an install).
+    # WORKDIR (tests/migration/test_migrations.py runs `genq migrate` from such an install).
     assert "PYTHONPATH" not in env
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())

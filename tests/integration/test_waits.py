@@ -20,7 +20,7 @@ from generation.task.v1 import task_pb2
 from service.leader.waits import WAITS_CHECK_SECONDS, Wait, Waits, start_warnings, waits
 from service.settings import Settings
 from tests.conftest import ROOT, Databases, ServiceProcess, url_for, wait_for
-from tests.test_metrics import RecordingDatabase
+from tests.integration.test_metrics import RecordingDatabase
 
 UNIT = 10**9
 

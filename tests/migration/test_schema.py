@@ -14,7 +14,7 @@ from generation.task.v1 import task_pb2
 from service import migrations
 from service.api.rpcs import STATEMENTS
 from tests.conftest import ROOT, Databases, url_for
-from tests.test_semantics import Db, Stub, claim, queue
+from tests.integration.test_semantics import Db, Stub, claim, queue
 
 SCHEMA_SQL = ROOT / "proto" / "generation" / "task" / "v1" / "schema.sql"
 SERVICE = ROOT / "service"

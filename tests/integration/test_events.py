@@ -20,7 +20,7 @@ from generation.task.v1 import task_pb2
 from service.api.signals import TERMINAL_EVENTS, Signals
 from service.settings import Settings
 from tests.conftest import REDIS_URL, ServiceProcess, wait_for
-from tests.test_semantics import Db, Stub, claim, queue, row
+from tests.integration.test_semantics import Db, Stub, claim, queue, row
 from workers_sdk.client import GenqClient
 from workers_sdk.errors import Reason, from_rpc_error
 

@@ -19,7 +19,7 @@ from psycopg.rows import dict_row
 from generation.task.v1 import task_pb2, task_pb2_grpc
 from service.leader.overrides import OVERRIDES_GONE_SQL
 from tests.conftest import UNLIMITED, Databases, ServiceProcess, forget_waits, url_for
-from tests.test_server import genq
+from tests.integration.test_server import genq
 from workers_sdk.errors import Reason, from_rpc_error
 
 Stub = task_pb2_grpc.GenerationDataServiceStub

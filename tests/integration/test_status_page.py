@@ -30,8 +30,8 @@ from google.protobuf import json_format
 
 from generation.task.v1 import task_pb2
 from tests.conftest import ROOT, Databases, ServiceProcess, free_port, url_for, wait_for
+from tests.faults.test_clock_skew import LIBFAKETIME
 from tests.tcp_proxy import TcpProxy
-from tests.test_clock_skew import LIBFAKETIME
 
 CHROMIUM_FLAGS = [
     "--headless",

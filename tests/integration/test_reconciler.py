@@ -32,7 +32,7 @@ from tests.conftest import (
     url_for,
     wait_for,
 )
-from tests.test_semantics import add_row, ago
+from tests.integration.test_semantics import add_row, ago
 from workers_sdk.client import GenqClient
 from workers_sdk.reconciler import Reconciler, SweepSummary
 
@@ -184,7 +184,7 @@ def test_a_sweep_fails_each_stale_population_once_and_leaves_live_tasks_alone(
     service: ServiceProcess, db: Db, tool_id: str
 ) -> None:
     # A live run of another tool (one of this tool would mean a worker for it, whose queue
-    # then waits rather than being abandoned: tests/test_watchdog.py, `busy`).
+    # then waits rather than being abandoned: tests/integration/test_watchdog.py, `busy`).
     other = service.stub.UpsertTool(task_pb2.UpsertToolRequest(name=f"{tool_id}-busy")).tool.id
     held = service.stub.QueueTask(task_pb2.QueueTaskRequest(tool_id=other)).task.id
     claimed = service.stub.ClaimNextTask(task_pb2.ClaimNextTaskRequest(tool_id=other))

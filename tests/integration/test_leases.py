@@ -9,7 +9,7 @@ import pytest
 
 from generation.task.v1 import task_pb2
 from service.api.rpcs import STATEMENTS
-from tests.test_semantics import Db, Stub, add_row, ago, claim, lapse_lease, queue, row
+from tests.integration.test_semantics import Db, Stub, add_row, ago, claim, lapse_lease, queue, row
 from workers_sdk.errors import Reason, from_rpc_error
 
 WRONG_TOKEN = "00000000-0000-0000-0000-00000000dead"
@@ -182,7 +182,7 @@ def test_forced_fail_refuses_an_exhausted_task_whose_lease_still_runs(
 
 
 def test_forced_fail_takes_each_stale_population(stub: Stub, db: Db, tool_id: str) -> None:
-    """(A dead zombie needs the rescuer stopped: tests/test_watchdog.py.)"""
+    """(A dead zombie needs the rescuer stopped: tests/integration/test_watchdog.py.)"""
     unclaimable = queue(stub, tool_id, max_retries=0).id
     abandoned = add_row(
         db,

@@ -21,8 +21,8 @@ from psycopg.rows import dict_row
 from generation.task.v1 import task_pb2, task_pb2_grpc
 from service.leader.waits import waits
 from tests.conftest import UNLIMITED, Databases, ServiceProcess, url_for, wait_for
+from tests.integration.test_server import genq
 from tests.invariants import assert_invariants
-from tests.test_server import genq
 from workers_sdk.errors import Reason, from_rpc_error
 
 Stub = task_pb2_grpc.GenerationDataServiceStub

@@ -26,7 +26,7 @@ from generation.task.v1 import task_pb2
 from service.api import server
 from service.settings import Settings
 from tests.conftest import ROOT, ServiceProcess, free_port, wait_for
-from tests.test_fleet import running
+from tests.integration.test_fleet import running
 from workers_sdk import GatewayClient, GenqClient, WorkerFleet
 
 

@@ -9,7 +9,7 @@ import grpc
 
 from generation.task.v1 import task_pb2, task_pb2_grpc
 from tests.conftest import ServiceProcess
-from tests.test_semantics import Db, Stub, queue
+from tests.integration.test_semantics import Db, Stub, queue
 
 CLAIMERS = 32
 TASKS = 1_000

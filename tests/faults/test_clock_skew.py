@@ -15,7 +15,7 @@ from psycopg.rows import dict_row
 
 from generation.task.v1 import task_pb2
 from tests.conftest import Databases, ServiceProcess, url_for, wait_for
-from tests.test_semantics import Db, claim, confirm, queue, row
+from tests.integration.test_semantics import Db, claim, confirm, queue, row
 
 LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1")
 

@@ -27,9 +27,9 @@ from generation.task.v1 import task_pb2, task_pb2_grpc
 from service.api.rpcs import BINDINGS, HAND_BACK_SQL, STATEMENTS
 from service.settings import Settings
 from tests.conftest import Databases, ServiceProcess, url_for, wait_for
+from tests.integration.test_semantics import Db, Stub, claim, confirm, queue, row
 from tests.invariants import assert_invariants
 from tests.tcp_proxy import AnswerDroppingProxy, TcpProxy
-from tests.test_semantics import Db, Stub, claim, confirm, queue, row
 from workers_sdk.errors import Reason, from_rpc_error
 
 

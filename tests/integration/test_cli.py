@@ -1,6 +1,6 @@
 """The operators' CLI (GUIDE B9, B10): `genq` run as a process against a real service, each
 command's answer checked against the rows, and the exit codes scripts rely on. The SDK-only
-install (no service libraries) is tests/test_sdk_import.py's.
+install (no service libraries) is tests/unit/test_sdk_import.py's.
 
 These tests change the global settings, so they run against a database and a service of their
 own (the fixture `service` here replaces conftest's); every test starts from a running queue with
