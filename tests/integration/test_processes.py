@@ -102,7 +102,7 @@ def test_every_process_serves_one_port_and_parent_metrics_count_them_all(host: H
     for number in (1, 2, 3):
         assert f"genq-{number} service.api: GenerationDataService listening on" in log
     # One process of the host leads the maintenance sweeps, whatever else runs on the database.
-    assert len(re.findall(r"genq-\d service\.housekeeping: leader: this process", log)) == 1
+    assert len(re.findall(r"genq-\d service\.leader: leader: this process", log)) == 1
 
     before = scrape(host.metrics_url)
     # Each channel its own TCP connection (no shared subchannel), spread by the kernel.
