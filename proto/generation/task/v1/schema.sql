@@ -357,8 +357,8 @@ CREATE TABLE generation.audit (
 
 -- The write transitions, one function each (docs/ARCHITECTURE.md: "Transitions"). Each locks what
 -- it changes first, then decides, in the one lock order: task rows, attempts, resource limits,
--- tools, settings, cooldowns and holds, tool_polls. Once 0.1.0 is released, a change adds a
--- `_v2` beside `_v1` (docs/OPERATIONS.md, "Upgrading").
+-- tools, settings, cooldowns and holds, tool_polls. Once 0.1.0 is released, a change adds the
+-- function's next version beside it (docs/OPERATIONS.md, "Upgrading").
 
 -- Whether a cost fits under a cap, given the spend counters: spend counts on `today` only, an
 -- estimate must fit (<= cap), and a task estimated at 0 needs the total strictly below the cap.
