@@ -1,10 +1,11 @@
-"""What Postgres alone leaves the drain bar (issue 9: WorkerFleet drain >= 2 x PGQueuer's
-QueueManager, batch 10): the records a drained batch must write, driven by pgbench, beside
-PGQueuer's own drain, in one run.
+"""What Postgres alone leaves the drain bar (issue #29: WorkerFleet drain >= 1 x PGQueuer's
+QueueManager at the same batch): the records a drained batch of 100 must write, driven by
+pgbench, beside PGQueuer's own drain at batch 100, in one run.
 
     .venv/bin/python bench/batch_floor.py [--tasks 20000] [--clients 1,2,4] [--rounds 2]
 
-Each round runs PGQueuer's peer script (bench/drain.py's `pgqueuer`, the `bench` extra), then, for
+Each round runs PGQueuer's side of bench/drain.py (`pgqueuer`, dequeue batch BATCH; the `bench`
+extra), then, for
 each client count K, on the service's schema (bench/claim_complete.py's database: migrated,
 synchronous_commit on) loaded with `--tasks` queued tasks over 4 tools (TRUNCATE, VACUUM
 ANALYZE, CHECKPOINT first), `pgbench -n -M prepared -c K` of BATCH_SCRIPT, each client
@@ -17,7 +18,7 @@ spend, limits, confirmations, polls, gRPC or Python: what any service keeping th
 would still cost Postgres, driven by a C client. Tasks/s are read from the tasks themselves
 (completed, first started_at to last completed_at).
 
-If this line is not well above twice PGQueuer, no service on this schema and machine meets the
+If this line is not well above PGQueuer, no service on this schema and machine meets the
 drain bar; if it is, what bounds the bar is above Postgres (the service, the SDK, the statements'
 gates). Session settings as the service's pool sets them (jit off, and enable_seqscan off, as its
 transitions run).
@@ -38,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script: the project's packages, not an installed copy
 
 from bench.claim_complete import TOOLS, bench_database, load_queue  # noqa: E402
-from bench.drain import PGQ_PYTHON, PGQ_SCRIPT, execute, pgqueuer  # noqa: E402
+from bench.drain import execute, pgqueuer  # noqa: E402
 
 BATCH = 100
 BATCH_SCRIPT = f"""\\set t random(1, {TOOLS})
@@ -119,27 +120,23 @@ def main() -> int:
         "--clients", type=lambda v: [int(n) for n in v.split(",")], default=[1, 2, 4]
     )
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--pgqueuer-python", default=PGQ_PYTHON)
-    parser.add_argument("--pgqueuer-script", default=str(PGQ_SCRIPT))
+    parser.add_argument("--timeout", type=float, default=300, help="longest drain, seconds")
     args = parser.parse_args()
-    args.pgqueuer_batch = [10]
     script = Path(f"/tmp/genq_batch_floor_{os.getpid()}.sql")
     script.write_text(BATCH_SCRIPT)
     print(f"{args.tasks} tasks, batches of {BATCH}; machine: {os.cpu_count()} CPUs")
     try:
         with bench_database() as url:
             for round_ in range(1, args.rounds + 1):
-                peer = pgqueuer(args)
-                if peer is None or not peer.drain.get(10):
-                    print("PGQueuer's line is missing: no ratio")
-                    return 1
+                peer = pgqueuer(args, BATCH, None).per_second
+                print(f"round {round_}: PGQueuer batch {BATCH} drained {peer:,.0f} jobs/s")
                 started = time.perf_counter()
                 for clients in args.clients:
                     count, rate = drained(url, args.tasks, clients, script)
                     print(
                         f"round {round_}: records floor, {clients} pgbench client(s): {count} "
-                        f"tasks at {rate:,.0f} tasks/s = {rate / peer.drain[10]:.2f} x PGQueuer's "
-                        f"{peer.drain[10]:,.0f} (the bar: 2 x)"
+                        f"tasks at {rate:,.0f} tasks/s = {rate / peer:.2f} x PGQueuer batch "
+                        f"{BATCH} (the bar: 1 x)"
                     )
                 print(f"  ({time.perf_counter() - started:.0f} s)")
     finally:

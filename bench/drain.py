@@ -1,63 +1,74 @@
-"""Batch path: N no-op tasks enqueued with `GatewayClient.enqueue_many`, then drained by
-`WorkerFleet` with its defaults, against PGQueuer's QueueManager (batch 10) on the same Postgres,
-in one run (GUIDE.md section 4, bars "batch path" and "enqueue").
+"""Batch path at the same batch: genq's WorkerFleet with N lanes against PGQueuer's QueueManager
+with dequeue batch N, the same no-op tasks, in one run on the same Postgres (issue #29, bars
+"drain", "WAL" and "enqueue").
 
-    .venv/bin/python bench/drain.py [--tasks 20000] [--concurrency 100] [--workers 1,2]
+    .venv/bin/python bench/drain.py [--batches 10,100] [--tasks 20000] [--workers 1]
 
 PGQueuer is the bench's own dependency, the `bench` extra (never the service's):
 
     .venv/bin/pip install -e '.[bench]'
 
-`--pgqueuer-python` ($GENQ_BENCH_PGQ_PYTHON; by default this interpreter when it has pgqueuer,
-else /tmp/pgq/bin/python, an environment of its own) names the interpreter that runs it; without
-one the PGQueuer line is skipped. It runs the peers' own baseline, `../shared/peers/
-pgqueuer_drain.py` (`--pgqueuer-script`), on a database of its own (durable tables, `pgq
-install`), which enqueues N jobs 1,000 a call and drains them with QueueManager in drain mode.
+For each N in `--batches`, one run, PGQueuer first (all N), then genq (all N):
 
-One run, in this order, each phase on a quiet database (CHECKPOINT first):
+- PGQueuer: a database of its own (`pgq install --durability durable`: every table logged), one
+  process that enqueues `--tasks` jobs with `Queries.enqueue`, 1,000 a call, one call at a time,
+  then drains them with `QueueManager.run(batch_size=N, mode=drain)` and an entrypoint that
+  returns at once.
+- genq: a database of its own (migrated, a daily cap no run reaches), `python -m service serve`
+  on a free port with its defaults (`--service-env NAME=VALUE` to change them; `--hop`: bench/
+  hop.py instead, the service without its middleware), one tool "noop", warmed by one enqueue
+  of WARM_UP_TASKS. The same number of tasks enqueued with `GatewayClient.enqueue_many` and its
+  defaults (QueueTasks of 1,000, ENQUEUE_CONCURRENCY calls in flight; `--enqueue-concurrency`),
+  then drained by `--workers` processes (1), each one `WorkerFleet(client)` with its defaults
+  hosting "noop" with `concurrency=N` lanes and a handler that returns at once.
 
-1. pgqueuer: the peer script, once per `--pgqueuer-batch` (default 10).
-2. genq: a database of its own (migrated, a daily cap no run reaches), `python -m service serve`
-   on a free port with its defaults (GENQ_PROCESSES included; `--service-env NAME=VALUE` to
-   change them), one tool "noop", warmed by one enqueue of WARM_UP_TASKS (its statement
-   prepared on the pooled connections, as in a service that has been running). For each worker
-   count W in `--workers`:
-   - the queue emptied (TRUNCATE), then N tasks enqueued with `enqueue_many` and its defaults
-     (QueueTasks of 1,000, ENQUEUE_CONCURRENCY calls in flight): enqueue tasks/s;
-   - ANALYZE (as autovacuum would after such a load; this server runs none), CHECKPOINT;
-   - W worker processes, each one `WorkerFleet(address)` with its defaults hosting "noop"
-     (`--concurrency` slots, a handler that returns at once), started and imported first, then
-     let go at once: drain tasks/s from that moment to the last task's `completed_at`.
-   Each worker counts its RPCs by method; the run prints them per 1,000 tasks, and the CPU the
-   service, the workers and the whole machine used (with psutil, which the service extra has).
-3. genq enqueue with `--enqueue-concurrency` calls in flight (default 1: the items' order kept
-   across calls too), once more, alone.
+Each side starts on an empty queue (a fresh PGQueuer database; genq's tables TRUNCATEd), after
+one CHECKPOINT, and no CHECKPOINT runs between its enqueue and its drain (the first change of
+each page after a checkpoint writes the whole page into the WAL: both sides start alike). The
+worker processes are started and have imported everything before the enqueue; the drain runs
+from their release to the last task's end (genq: `max(completed_at)`; PGQueuer: the last
+`successful` row of `pgqueuer_log`), both read from the database, not from the workers' exit.
 
-With `--hop`, steps 2 and 3 run against `bench/hop.py` (same settings) instead of `genq serve`:
-the same clients in front of the service without its middleware (the same statements and
-bindings), so the ratios tell what the middleware costs the drain and the enqueue.
+Durability: synchronous_commit = on for both (set on each database, read back from each side's
+own connections and printed); every table of both sides is asserted logged (relpersistence p).
 
-Durability stays on for both: synchronous_commit = on for each bench database. The ratios
-printed are the bars: drain >= 2 x PGQueuer batch 10, enqueue >= 1 x PGQueuer's enqueue.
+Printed, per N and side (a Markdown table), then the ratios genq / PGQueuer against the bars
+(drain >= 1x, WAL <= 1x, enqueue >= 1x):
+
+- enqueue tasks/s and drain tasks/s;
+- WAL bytes per task, enqueue to done: the enqueue's and the drain's windows (`pg_current_wal_
+  lsn()` before and after; the ANALYZE between them, as autovacuum would run it, is outside).
+  WAL is the cluster's: with `pg_walinspect` (created in a database of the bench's own) each
+  window's records are counted for this side's database only, exactly (the records with a block
+  in it, and every record of the transactions that wrote one, commits included, each padded to
+  8 bytes as in the WAL; page headers left out). Without it the LSN difference is printed, which
+  counts whatever else writes on the cluster. A temporary physical replication slot, held by the
+  bench's own connection, keeps the windows' WAL until it is read. The LSN figure is printed
+  beside it, with the WAL of others in the same windows, and a warning when others wrote or a
+  checkpoint fell inside a window;
+- CPU µs per task during the drain: the service (its process and children), the worker
+  process(es), and Postgres: the backends connected to this side's database (the bench's own
+  polling connection left out; the server's background processes, WAL writer and checkpointer,
+  are shared and left out too). `other` is the rest of the machine: a run with other above 0.25
+  core is flagged as disturbed.
 
 Paid vs unpaid (issue 9, bar "paid drain >= 0.7 x unpaid drain"):
 
-    .venv/bin/python bench/drain.py --paid [--tasks 20000] [--workers 1]
+    .venv/bin/python bench/drain.py --paid [--batches 10,100] [--tasks 20000] [--workers 1]
 
-runs, instead of all the above, on one genq database and service (the daily cap 10**17 nanos
-set as above, which no run reaches, and no tool cap), for each W in `--workers`, three drains of
-the same N tasks by W worker processes, each a WorkerFleet with its defaults:
+runs, instead of the above, on one genq database and service (the daily cap 10**17 nanos, which
+no run reaches, and no tool cap), for each N, three drains of the same tasks by `--workers`
+processes, each a WorkerFleet with its defaults and N lanes a tool:
 
 - unpaid, 1 tool: tool "noop", no cost estimate, a handler that reports no cost (as above);
-- unpaid, 8 tools: N/8 tasks on each of the tools "noop-1".."noop-8" (`--concurrency` slots each),
-  no estimate, no cost: the control, to tell the 8 tools' share of the difference from the money's;
+- unpaid, 8 tools: tasks/8 on each of the tools "noop-1".."noop-8", no estimate, no cost: the
+  control, to tell the 8 tools' share of the difference from the money's;
 - paid, 8 tools: the same 8 tools configured (ConfigureTool) with a cost estimate
   (`--estimate-nanos`, so every claim is admitted against the cap with it) and a handler that
-  reports a cost on every task (`ctx.report_usage(cost_nanos=--cost-nanos)`, recorded on the
-  task's attempt by its CompleteTasks).
+  reports a cost on every task (`ctx.report_usage(cost_nanos=--cost-nanos)`).
 
-It prints each drain as above, the cost the attempts recorded, and the ratios paid / unpaid
-1 tool (the bar) and paid / unpaid 8 tools.
+It prints each drain, the cost the attempts recorded, and the ratios paid / unpaid 1 tool (the
+bar) and paid / unpaid 8 tools.
 """
 
 from __future__ import annotations
@@ -67,17 +78,18 @@ import asyncio
 import importlib.util
 import multiprocessing
 import os
-import re
 import signal
 import subprocess
 import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -93,17 +105,18 @@ from service import migrations  # noqa: E402
 from workers_sdk import GatewayClient, GenqClient, TaskContext, WorkerFleet  # noqa: E402
 from workers_sdk.gateway import ENQUEUE_CONCURRENCY  # noqa: E402
 
-PGQ_PYTHON = os.environ.get("GENQ_BENCH_PGQ_PYTHON") or (
-    sys.executable if importlib.util.find_spec("pgqueuer") else "/tmp/pgq/bin/python"
-)
-PGQ_SCRIPT = ROOT.parent / "shared" / "peers" / "pgqueuer_drain.py"
 CAP = 10**17
 """Global daily cap in nanos (the largest the service takes): without one nothing is claimed."""
 TOOL = "noop"
-DRAIN_BAR, ENQUEUE_BAR = 2.0, 1.0
-CPU_PARTIES = ("service", "postgres", "workers", "machine", "other")
-EMPTY_QUEUE = "TRUNCATE generation.tasks, generation.task_events"
-"""The queue emptied between phases: the tasks and their events (no foreign key to cascade)."""
+ENQUEUE_CALL = 1_000
+"""Tasks a batched enqueue call carries, on both sides (QueueTasks' default size in the SDK)."""
+DRAIN_BAR, WAL_BAR, ENQUEUE_BAR = 1.0, 1.0, 1.0
+TIMES, DASH = "\u00d7", "\u2013"
+"""The ratio's sign and an empty cell's, as docs/BENCHMARKS.md writes them."""
+DISTURBED = 0.25
+"""Cores used by others during a drain above which its line is flagged."""
+GENQ_TABLES = ("tasks", "task_events", "attempts")
+"""What TRUNCATE empties between genq's runs (those of them the schema has)."""
 
 try:
     import psutil  # type: ignore[import-untyped,unused-ignore]
@@ -139,7 +152,15 @@ def execute(url: str, *statements: str) -> None:
 
 
 def server_settings(url: str) -> str:
-    names = ["server_version", "synchronous_commit", "fsync", "autovacuum", "shared_buffers"]
+    names = [
+        "server_version",
+        "synchronous_commit",
+        "fsync",
+        "full_page_writes",
+        "wal_compression",
+        "autovacuum",
+        "shared_buffers",
+    ]
     with psycopg.connect(url, autocommit=True) as connection:
         rows = connection.execute(
             "SELECT name, current_setting(name) FROM unnest(%s::text[]) AS name", [names]
@@ -147,57 +168,144 @@ def server_settings(url: str) -> str:
     return ", ".join(f"{name}={value}" for name, value in rows)
 
 
-# --- PGQueuer -----------------------------------------------------------------------------------
+def assert_durable(url: str, side: str, schema: str) -> None:
+    """Every table of `schema` logged, and synchronous_commit on for a new connection."""
+    with psycopg.connect(url, autocommit=True) as connection:
+        found = connection.execute(
+            "SELECT current_setting('synchronous_commit'), count(*), "
+            "array_agg(c.relname) FILTER (WHERE c.relpersistence <> 'p') "
+            "FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = %s AND c.relkind IN ('r', 'p')",
+            [schema],
+        ).fetchone()
+    assert found is not None
+    commit, tables, unlogged = found
+    assert commit == "on", f"{side}: synchronous_commit = {commit}"
+    assert tables and not unlogged, f"{side}: {tables} tables, not logged: {unlogged}"
+
+
+def database_oid(url: str) -> int:
+    with psycopg.connect(url, autocommit=True) as connection:
+        found = connection.execute(
+            "SELECT oid FROM pg_database WHERE datname = current_database()"
+        ).fetchone()
+    assert found is not None
+    return int(found[0])
+
+
+# --- WAL ----------------------------------------------------------------------------------------
 
 
 @dataclass
-class Peer:
-    enqueue: float | None = None
-    """Jobs/s of its batched enqueue (1,000 a call)."""
-    drain: dict[int, float] = field(default_factory=dict)
-    """Jobs/s of its drain, by dequeue batch size."""
+class Wal:
+    lsn_bytes: int = 0
+    """pg_current_wal_lsn() difference: the cluster's WAL, whoever wrote it."""
+    own_bytes: int | None = None
+    """The records of this side's database (pg_walinspect); None without it."""
+    others_bytes: int | None = None
+    """The records of the same windows that are not this side's (other databases, the server)."""
+    checkpoints: int = 0
+    """Checkpoints that began inside the windows (pg_stat_bgwriter)."""
+
+    def __add__(self, other: Wal) -> Wal:
+        def both(a: int | None, b: int | None) -> int | None:
+            return None if a is None or b is None else a + b
+
+        return Wal(
+            self.lsn_bytes + other.lsn_bytes,
+            both(self.own_bytes, other.own_bytes),
+            both(self.others_bytes, other.others_bytes),
+            self.checkpoints + other.checkpoints,
+        )
+
+    @property
+    def bytes(self) -> int:
+        return self.lsn_bytes if self.own_bytes is None else self.own_bytes
 
 
-def pgqueuer(args: argparse.Namespace) -> Peer | None:
-    python, script = Path(args.pgqueuer_python), Path(args.pgqueuer_script)
-    if not python.exists() or not script.exists():
-        print(f"pgqueuer: skipped ({python} or {script} missing; see this program's docstring)")
-        return None
-    peer = Peer()
-    for batch in args.pgqueuer_batch:
-        with database("pgq_bench") as url:
-            env = {**os.environ, "PGDSN": url, "PGQ_DSN": url}
-            pgq = python.parent / "pgq"
-            subprocess.run([str(pgq), "install"], env=env, check=True, capture_output=True)
-            execute(url, "CHECKPOINT")
-            done = subprocess.run(
-                [str(python), str(script), str(args.tasks), str(batch)],
-                env=env,
-                check=True,
-                capture_output=True,
-                text=True,
-                timeout=600,
+WAL_RECORDS = """
+WITH r AS MATERIALIZED (
+  SELECT xid::text::bigint AS x, (record_length + 7) / 8 * 8 AS n,
+         coalesce(block_ref LIKE %(pattern)s, false) AS ours
+  FROM pg_get_wal_records_info(%(start)s::pg_lsn, %(end)s::pg_lsn)),
+xs AS (SELECT DISTINCT x FROM r WHERE ours AND x <> 0)
+SELECT coalesce(sum(r.n) FILTER (WHERE r.ours OR xs.x IS NOT NULL), 0),
+       coalesce(sum(r.n) FILTER (WHERE NOT r.ours AND xs.x IS NULL), 0)
+FROM r LEFT JOIN xs ON xs.x = r.x
+"""
+"""A window's record bytes (padded to 8) of one database and of everyone else: a record is the
+database's when one of its blocks is in it ("rel spc/db/rel" in block_ref), or its transaction
+wrote such a block (its commit record has no block)."""
+
+
+class WalMeter:
+    """Windows of the cluster's WAL, counted per database with pg_walinspect when it is there.
+    Holds one connection to a database of its own (where the extension is created), and on it a
+    temporary physical replication slot that keeps the WAL from being recycled before it is read
+    (dropped with the connection)."""
+
+    def __init__(self, url: str) -> None:
+        self.connection = psycopg.connect(url, autocommit=True)
+        self.inspect = True
+        try:
+            self.connection.execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
+        except psycopg.Error as error:
+            print(f"WAL: pg_walinspect unavailable ({error}); LSN differences only")
+            self.inspect = False
+        if self.inspect:
+            slot = f"genq_bench_{uuid.uuid4().hex[:8]}"
+            self.connection.execute(
+                "SELECT pg_create_physical_replication_slot(%s, true, true)", [slot]
             )
-        for line in done.stdout.splitlines():
-            print(f"  {line}")
-        if found := re.search(r"enqueue .*?: (\d+) jobs/s", done.stdout):
-            peer.enqueue = max(peer.enqueue or 0.0, float(found[1]))
-        if found := re.search(r"drain .*= (\d+) jobs/s", done.stdout):
-            peer.drain[batch] = float(found[1])
-    return peer
+
+    def close(self) -> None:
+        self.connection.close()
+
+    def _now(self) -> tuple[str, int]:
+        found = self.connection.execute(
+            "SELECT pg_current_wal_lsn()::text, checkpoints_timed + checkpoints_req "
+            "FROM pg_stat_bgwriter"
+        ).fetchone()
+        assert found is not None
+        return str(found[0]), int(found[1])
+
+    def begin(self) -> tuple[str, int]:
+        return self._now()
+
+    def end(self, began: tuple[str, int], oid: int) -> Wal:
+        start, checkpoints = began
+        end, later = self._now()
+        found = self.connection.execute("SELECT %s::pg_lsn - %s::pg_lsn", [end, start]).fetchone()
+        assert found is not None
+        wal = Wal(int(found[0]), checkpoints=later - checkpoints)
+        if not self.inspect:
+            return wal
+        deadline = time.monotonic() + 10
+        while True:  # pg_walinspect reads only WAL flushed to disk
+            flushed = self.connection.execute(
+                "SELECT pg_current_wal_flush_lsn() >= %s::pg_lsn", [end]
+            ).fetchone()
+            if (flushed and flushed[0]) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        counted = self.connection.execute(
+            WAL_RECORDS.encode(), {"pattern": f"% rel %/{oid}/%", "start": start, "end": end}
+        ).fetchone()
+        assert counted is not None
+        wal.own_bytes, wal.others_bytes = int(counted[0]), int(counted[1])
+        return wal
 
 
-# --- the service --------------------------------------------------------------------------------
+# --- CPU ----------------------------------------------------------------------------------------
 
 
 class CpuMeter:
-    """CPU seconds between `begin` and `end` of the service (all its processes), Postgres (the
-    bench database's backends and the server's background processes, Postgres being local) and
-    the whole machine. The workers measure their own (time.process_time)."""
+    """CPU seconds between `begin` and `end` of the service (its process and children), the
+    worker processes, and the Postgres backends connected to the side's database (but the
+    bench's own `looker` backend), and the whole machine's busy time."""
 
-    def __init__(self, service: Service, url: str) -> None:
-        self.service = service
-        self.url = url
+    def __init__(self, url: str, service: Service | None, workers: list[int], looker: int) -> None:
+        self.url, self.service, self.workers, self.looker = url, service, workers, looker
         self.groups: dict[str, list[int]] = {}
         self.start: dict[int, float] = {}
         self.busy = 0.0
@@ -205,12 +313,19 @@ class CpuMeter:
     def _pids(self) -> dict[str, list[int]]:
         with psycopg.connect(self.url, autocommit=True) as connection:
             rows = connection.execute(
-                "SELECT pid FROM pg_stat_activity WHERE pid <> pg_backend_pid() "
-                "AND (datname = current_database() OR datname IS NULL)"
+                "SELECT pid FROM pg_stat_activity WHERE pid NOT IN (pg_backend_pid(), %s) "
+                "AND datname = current_database()",
+                [self.looker],
             ).fetchall()
-        root = psutil.Process(self.service.process.pid)
-        service = [root.pid, *(child.pid for child in root.children(recursive=True))]
-        return {"service": service, "postgres": [int(pid) for (pid,) in rows]}
+        service = []
+        if self.service is not None:
+            root = psutil.Process(self.service.process.pid)
+            service = [root.pid, *(child.pid for child in root.children(recursive=True))]
+        return {
+            "service": service,
+            "workers": list(self.workers),
+            "postgres": [int(pid) for (pid,) in rows],
+        }
 
     @staticmethod
     def _seconds(pids: list[int]) -> dict[int, float]:
@@ -242,7 +357,7 @@ class CpuMeter:
         busy = self._busy() - self.busy
         later = self._pids()
         used = {}
-        for group in ("service", "postgres"):
+        for group in ("service", "workers", "postgres"):
             pids = sorted(set(self.groups[group]) | set(later[group]))
             now = self._seconds(pids)  # one that started meanwhile counts from zero
             used[group] = sum(now[pid] - self.start.get(pid, 0.0) for pid in now)
@@ -250,7 +365,175 @@ class CpuMeter:
         return used
 
 
-# --- worker processes ---------------------------------------------------------------------------
+# --- one side's run -----------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    side: str
+    batch: int
+    tasks: int
+    enqueue_per_second: float
+    drain_seconds: float
+    wal: Wal
+    cpu: dict[str, float]
+    """CPU seconds during the drain: service, workers, postgres, machine."""
+    calls: Counter[str] = field(default_factory=Counter)
+    """genq: RPCs by method, all workers together."""
+    seconds: dict[str, float] = field(default_factory=dict)
+    """genq: seconds those calls took, by method (a parked claim's wait included)."""
+
+    @property
+    def per_second(self) -> float:
+        return self.tasks / self.drain_seconds
+
+    def micros(self, party: str) -> float | None:
+        return 1e6 * self.cpu[party] / self.tasks if party in self.cpu else None
+
+    @property
+    def other_cores(self) -> float | None:
+        if "machine" not in self.cpu:
+            return None
+        parties = sum(self.cpu[name] for name in ("service", "workers", "postgres"))
+        return (self.cpu["machine"] - parties) / self.drain_seconds
+
+
+POLL_SECONDS = 0.25
+"""How often a drain looks whether it is done, on one connection: the drain's figure is read
+from the last task's end, not from the look."""
+
+
+def wait_done(looking: psycopg.Connection[Any], query: str, tasks: int, timeout: float) -> float:
+    """Polls `query` (count, epoch of the last end) until `tasks` are done; the last end."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = looking.execute(query.encode()).fetchone()
+        assert found is not None
+        if int(found[0]) >= tasks:
+            assert found[1] is not None
+            return float(found[1])
+        if time.monotonic() > deadline:
+            raise SystemExit(f"drain timed out: {found[0]} of {tasks} done")
+        time.sleep(POLL_SECONDS)
+
+
+def backend_pid(connection: psycopg.Connection[Any]) -> int:
+    found = connection.execute("SELECT pg_backend_pid()").fetchone()
+    assert found is not None
+    return int(found[0])
+
+
+def started(pipes: list[Connection], what: str) -> list[Any]:
+    answers = []
+    for pipe in pipes:
+        if not pipe.poll(120):
+            raise SystemExit(f"{what} did not answer")
+        answers.append(pipe.recv())
+    return answers
+
+
+def stop(processes: Sequence[BaseProcess]) -> None:
+    for process in processes:
+        process.join(30)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+# --- PGQueuer -----------------------------------------------------------------------------------
+
+PGQ_DONE = (
+    "SELECT count(*), extract(epoch FROM max(created))::float FROM pgqueuer_log "
+    "WHERE status = 'successful'"
+)
+
+
+def pgqueuer_process(url: str, tasks: int, batch: int, pipe: Connection) -> None:
+    """PGQueuer's side in a process of its own: enqueue on "enqueue", drain on "drain"."""
+
+    async def main() -> None:
+        import asyncpg  # type: ignore[import-untyped,unused-ignore]
+        from pgqueuer import QueueManager  # type: ignore[import-not-found,unused-ignore]
+        from pgqueuer.db import AsyncpgDriver  # type: ignore[import-not-found,unused-ignore]
+        from pgqueuer.queries import Queries  # type: ignore[import-not-found,unused-ignore]
+        from pgqueuer.types import QueueExecutionMode  # type: ignore[import-not-found,unused-ignore]
+
+        enqueuing = await asyncpg.connect(url)
+        draining = await asyncpg.connect(url)
+        commits = [
+            await each.fetchval("SELECT current_setting('synchronous_commit')")
+            for each in (enqueuing, draining)
+        ]
+        queries = Queries(AsyncpgDriver(enqueuing))
+        manager = QueueManager(Queries(AsyncpgDriver(draining)))
+
+        @manager.entrypoint(TOOL)
+        async def noop(job: Any) -> None:
+            return None
+
+        pipe.send(("ready", commits))
+        await asyncio.to_thread(pipe.recv)  # "enqueue"
+        begun = time.perf_counter()
+        for first in range(0, tasks, ENQUEUE_CALL):
+            n = min(ENQUEUE_CALL, tasks - first)
+            await queries.enqueue([TOOL] * n, [None] * n, [0] * n)
+        pipe.send(tasks / (time.perf_counter() - begun))
+        await asyncio.to_thread(pipe.recv)  # "drain"
+        await manager.run(
+            batch_size=batch,
+            mode=QueueExecutionMode.drain,
+            dequeue_timeout=timedelta(seconds=1),
+        )
+        await enqueuing.close()
+        pipe.send("drained")
+
+    asyncio.run(main())
+
+
+def pgqueuer(args: argparse.Namespace, batch: int, wal: WalMeter | None) -> Run:
+    """PGQueuer's enqueue and drain of `args.tasks` jobs at dequeue batch `batch`, on a
+    database of its own (WAL not read without `wal`)."""
+    if importlib.util.find_spec("pgqueuer") is None:
+        raise SystemExit(
+            "PGQueuer is missing: .venv/bin/pip install -e '.[bench]' (see the docstring)"
+        )
+    with database("pgq_bench") as url:
+        env = {**os.environ, "PGDSN": url, "PGQ_DSN": url}
+        pgq = Path(sys.executable).parent / "pgq"
+        install = [str(pgq), "install", "--durability", "durable"]
+        subprocess.run(install, env=env, check=True, capture_output=True)
+        assert_durable(url, "pgqueuer", "public")
+        oid = database_oid(url)
+        spawn = multiprocessing.get_context("spawn")
+        ours, theirs = spawn.Pipe()
+        process = spawn.Process(target=pgqueuer_process, args=(url, args.tasks, batch, theirs))
+        process.start()
+        try:
+            ((_, commits),) = started([ours], "the PGQueuer process")
+            assert set(commits) == {"on"}, f"pgqueuer: synchronous_commit {commits}"
+            execute(url, "VACUUM ANALYZE", "CHECKPOINT")
+            began = wal.begin() if wal else None
+            ours.send("enqueue")
+            (enqueue_rate,) = started([ours], "PGQueuer's enqueue")
+            enqueued = wal.end(began, oid) if wal and began else Wal()
+            execute(url, "ANALYZE")
+            with psycopg.connect(url, autocommit=True) as looking:
+                assert process.pid is not None
+                meter = CpuMeter(url, None, [process.pid], backend_pid(looking))
+                meter.begin()
+                began = wal.begin() if wal else None
+                go = time.time()
+                ours.send("drain")
+                last = wait_done(looking, PGQ_DONE, args.tasks, args.timeout)
+                cpu = meter.end()
+                drained = wal.end(began, oid) if wal and began else Wal()
+            started([ours], "PGQueuer's drain")
+        finally:
+            stop([process])
+    return Run("PGQueuer", batch, args.tasks, enqueue_rate, last - go, enqueued + drained, cpu)
+
+
+# --- genq ---------------------------------------------------------------------------------------
 
 
 class CountingClient(GenqClient):
@@ -287,47 +570,27 @@ def paid_noop(cost_nanos: int) -> Any:
 
 def worker(
     address: str,
-    concurrency: int,
+    lanes: int,
     pipe: Connection,
     tools: tuple[str, ...] = (TOOL,),
     cost_nanos: int = 0,
 ) -> None:
-    """One worker process: a WorkerFleet with its defaults hosting `tools` (a handler reporting
-    `cost_nanos` on every task if not 0); runs from "go" until SIGTERM."""
+    """One worker process: a WorkerFleet with its defaults hosting `tools` with `lanes` each (a
+    handler reporting `cost_nanos` on every task if not 0); runs from "go" until SIGTERM."""
 
     async def main() -> None:
         client = CountingClient(address)
         fleet = WorkerFleet(client)  # the defaults a user who changes nothing gets
         handler = paid_noop(cost_nanos) if cost_nanos else noop
         for tool in tools:
-            fleet.register(tool, handler, concurrency=concurrency)
+            fleet.register(tool, handler, concurrency=lanes)
         pipe.send("ready")
         await asyncio.to_thread(pipe.recv)  # "go"
-        cpu = time.process_time()
         await fleet.run()
-        cpu = time.process_time() - cpu
         await client.close()
-        pipe.send((dict(client.calls), dict(client.seconds), cpu))
+        pipe.send((dict(client.calls), dict(client.seconds)))
 
     asyncio.run(main())
-
-
-@dataclass
-class Drain:
-    workers: int
-    tasks: int
-    enqueue_per_second: float
-    drain_seconds: float
-    calls: Counter[str]
-    """RPCs by method, all workers together."""
-    seconds: dict[str, float]
-    """Seconds those calls took, by method (a parked claim's wait included)."""
-    cpu: dict[str, float]
-    """CPU seconds of the service, Postgres, the workers and the whole machine."""
-
-    @property
-    def per_second(self) -> float:
-        return self.tasks / self.drain_seconds
 
 
 async def enqueue(address: str, tool_id: str, tasks: int, concurrency: int | None = None) -> float:
@@ -336,10 +599,10 @@ async def enqueue(address: str, tool_id: str, tasks: int, concurrency: int | Non
     async with GenqClient(address, timeout=60) as client:
         gateway = GatewayClient(client)
         items: list[dict[str, Any]] = [{} for _ in range(tasks)]
-        started = time.perf_counter()
+        begun = time.perf_counter()
         options = {} if concurrency is None else {"concurrency": concurrency}
         queued = await gateway.enqueue_many(tool_id, items, **options)
-        seconds = time.perf_counter() - started
+        seconds = time.perf_counter() - begun
     assert len(queued.tasks) == tasks, (len(queued.tasks), queued.skipped)
     return tasks / seconds
 
@@ -349,139 +612,229 @@ async def upsert_tool(address: str) -> str:
         return str((await GatewayClient(client).upsert_tool(TOOL)).id)
 
 
-def completed(connection: psycopg.Connection[Any]) -> tuple[int, float | None]:
-    found = connection.execute(
-        "SELECT count(*), extract(epoch FROM max(completed_at))::float "
-        "FROM generation.tasks WHERE status = 'completed'"
-    ).fetchone()
-    assert found is not None
-    return int(found[0]), found[1]
-
+GENQ_DONE = (
+    "SELECT count(*), extract(epoch FROM max(completed_at))::float "
+    "FROM generation.tasks WHERE status = 'completed'"
+)
 
 WARM_UP_TASKS = 4_000
-"""Tasks enqueued (and then emptied with the queue) before genq's first measured phase."""
-
-POLL_SECONDS = 0.25
-"""How often a drain looks whether it is done, on one connection: the drain's figure is read
-from the last completed_at, not from the look, and a look every 50 ms on a new connection each
-took 0.26 to 0.41 cores from the parties measured."""
+"""Tasks enqueued (and then emptied with the queue) before genq's first measured run: each
+pooled connection prepares the statement and loads the table's catalog entries on its first
+QueueTasks, as in a service that has been running."""
 
 
-def drain(
+@dataclass
+class Genq:
+    url: str
+    service: Service
+    tool_id: str
+    oid: int
+    empty: str
+    """TRUNCATE of the queue's tables."""
+
+
+def genq_run(
     args: argparse.Namespace,
-    service: Service,
-    url: str,
-    tool_id: str,
-    workers: int,
+    genq: Genq,
+    lanes: int,
+    wal: WalMeter | None,
     tools: dict[str, str] | None = None,
     cost_nanos: int = 0,
-) -> Drain:
-    """`tools` (name -> id; default {TOOL: tool_id}): the N tasks are spread evenly over them
-    (enqueued tool after tool) and every worker hosts them all."""
-    tools = tools or {TOOL: tool_id}
-    execute(url, EMPTY_QUEUE, "VACUUM ANALYZE", "CHECKPOINT")
-    shares = split(args.tasks, len(tools))
-    started = time.perf_counter()
-    for share, each in zip(shares, tools.values(), strict=True):
-        asyncio.run(enqueue(service.address, each, share))
-    rate = args.tasks / (time.perf_counter() - started)
-    execute(url, "ANALYZE", "CHECKPOINT")
-
+) -> Run:
+    """One drain by `args.workers` processes of `lanes` lanes a tool. `tools` (name -> id;
+    default {TOOL: tool_id}): the tasks are spread evenly over them (enqueued tool after tool)
+    and every worker hosts them all."""
+    tools = tools or {TOOL: genq.tool_id}
+    execute(genq.url, genq.empty, "VACUUM ANALYZE", "CHECKPOINT")
     spawn = multiprocessing.get_context("spawn")
     pipes, processes = [], []
-    for _ in range(workers):
+    for _ in range(args.workers):
         ours, theirs = spawn.Pipe()
         process = spawn.Process(
             target=worker,
-            args=(service.address, args.concurrency, theirs, tuple(tools), cost_nanos),
+            args=(genq.service.address, lanes, theirs, tuple(tools), cost_nanos),
         )
         process.start()
         pipes.append(ours)
         processes.append(process)
     try:
-        for pipe in pipes:
-            if not pipe.poll(60):
-                raise SystemExit("a worker did not start")
-            assert pipe.recv() == "ready"
-        meter = CpuMeter(service, url)
-        meter.begin()
-        go = time.time()
-        for pipe in pipes:
-            pipe.send("go")
-        deadline = time.monotonic() + args.timeout
-        with psycopg.connect(url, autocommit=True) as looking:
-            while (done := completed(looking))[0] < args.tasks:
-                if time.monotonic() > deadline:
-                    raise SystemExit(f"drain timed out: {done[0]} of {args.tasks} completed")
-                time.sleep(POLL_SECONDS)
-        cpu = meter.end()
-        last = done[1]
-        assert last is not None
+        assert started(pipes, "a worker") == ["ready"] * args.workers
+        began = wal.begin() if wal else None
+        shares = split(args.tasks, len(tools))
+        begun = time.perf_counter()
+        for share, each in zip(shares, tools.values(), strict=True):
+            asyncio.run(enqueue(genq.service.address, each, share, args.enqueue_concurrency))
+        enqueue_rate = args.tasks / (time.perf_counter() - begun)
+        enqueued = wal.end(began, genq.oid) if wal and began else Wal()
+        execute(genq.url, "ANALYZE")
+        with psycopg.connect(genq.url, autocommit=True) as looking:
+            pids = [process.pid for process in processes if process.pid is not None]
+            meter = CpuMeter(genq.url, genq.service, pids, backend_pid(looking))
+            meter.begin()
+            began = wal.begin() if wal else None
+            go = time.time()
+            for pipe in pipes:
+                pipe.send("go")
+            last = wait_done(looking, GENQ_DONE, args.tasks, args.timeout)
+            cpu = meter.end()
+            drained = wal.end(began, genq.oid) if wal and began else Wal()
+        for pid in pids:
+            os.kill(pid, signal.SIGTERM)
         calls: Counter[str] = Counter()
         seconds: dict[str, float] = {}
-        worker_cpu = 0.0
-        for process in processes:
-            assert process.pid is not None
-            os.kill(process.pid, signal.SIGTERM)
-        for pipe in pipes:
-            if not pipe.poll(60):
-                raise SystemExit("a worker did not drain")
-            counted, took, used = pipe.recv()
+        for counted, took in started(pipes, "a worker's drain"):
             calls.update(counted)
             for method, spent in took.items():
                 seconds[method] = seconds.get(method, 0.0) + spent
-            worker_cpu += used
     finally:
-        for process in processes:
-            process.join(30)
-            if process.is_alive():
-                process.kill()
-    cpu["workers"] = worker_cpu
-    return Drain(workers, args.tasks, rate, last - go, calls, seconds, cpu)
+        stop(processes)
+    return Run(
+        "genq", lanes, args.tasks, enqueue_rate, last - go, enqueued + drained, cpu, calls, seconds
+    )
 
 
 @contextmanager
-def genq_service(args: argparse.Namespace) -> Iterator[tuple[str, Service, str]]:
+def genq_service(args: argparse.Namespace) -> Iterator[Genq]:
     """A migrated genq database (the cap no run reaches), `genq serve` on it (with
-    --service-env) and the tool "noop": (url, service, the tool's id); stopped and dropped after."""
+    --service-env), the tool "noop", warmed; stopped and dropped after."""
     env = dict(item.split("=", 1) for item in args.service_env)
     with database("genq_bench") as url:
         migrations.upgrade(url)
         execute(url, f"UPDATE generation.settings SET daily_cap_nanos = {CAP}")
-        print(f"postgres: {server_settings(url)}")
+        assert_durable(url, "genq", "generation")
+        with psycopg.connect(url, autocommit=True) as connection:
+            tables = [
+                name
+                for name in GENQ_TABLES
+                if connection.execute("SELECT to_regclass(%s)", [f"generation.{name}"]).fetchone()
+                != (None,)
+            ]
+        empty = "TRUNCATE " + ", ".join(f"generation.{name}" for name in tables)
         service = Service(url, env, HOP if args.hop else None)
         service.wait_serving()
         try:
             processes = env.get("GENQ_PROCESSES", str(os.cpu_count() or 1))
             default = "" if "GENQ_PROCESSES" in env else " (its default)"
             serve = "bench/hop.py (--hop)" if args.hop else "genq serve"
-            print(f"{serve} at {service.address}, GENQ_PROCESSES={processes}{default}")
-            yield url, service, asyncio.run(upsert_tool(service.address))
+            print(
+                f"genq: {serve}, GENQ_PROCESSES={processes}{default}; {args.workers} worker "
+                f"process(es); enqueue_many {ENQUEUE_CALL:,} a call, "
+                f"{args.enqueue_concurrency or ENQUEUE_CONCURRENCY} in flight"
+            )
+            tool_id = asyncio.run(upsert_tool(service.address))
+            asyncio.run(enqueue(service.address, tool_id, WARM_UP_TASKS))
+            yield Genq(url, service, tool_id, database_oid(url), empty)
         finally:
             service.stop()
 
 
-def genq(args: argparse.Namespace) -> tuple[list[Drain], float]:
-    results = []
-    with genq_service(args) as (url, service, tool_id):
-        # Warm, as a running service is: each pooled connection prepares the statement and
-        # loads the table's catalog entries on its first QueueTasks (the first enqueue of a
-        # fresh service ran at 34,000-44,000 tasks/s against 40,000-60,000 for the second).
-        asyncio.run(enqueue(service.address, tool_id, WARM_UP_TASKS))
-        for workers in args.workers:
-            result = drain(args, service, url, tool_id, workers)
-            results.append(result)
-            report(args, result)
-        execute(url, EMPTY_QUEUE, "VACUUM ANALYZE", "CHECKPOINT")
-        concurrent = asyncio.run(
-            enqueue(service.address, tool_id, args.tasks, args.enqueue_concurrency)
-        )
-        print(
-            f"genq enqueue_many, {args.enqueue_concurrency} calls in flight: "
-            f"{concurrent:,.0f} tasks/s"
-        )
-    return results, concurrent
+# --- the comparison -----------------------------------------------------------------------------
 
+
+def number(value: float | None) -> str:
+    return DASH if value is None else f"{value:,.0f}"
+
+
+def verdict(ratio: float, bar: float, at_least: bool) -> str:
+    met = ratio >= bar if at_least else ratio <= bar
+    sign = "≥" if at_least else "≤"
+    return f"**{ratio:.2f}{TIMES}** ({sign} {bar:g}{TIMES}: {'met' if met else 'not met'})"
+
+
+def table(pairs: list[tuple[Run, Run]]) -> None:
+    print()
+    print(
+        "| N | side | enqueue tasks/s | drain tasks/s | WAL B/task | CPU µs/task: service "
+        "| workers | Postgres |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for peer, ours in pairs:
+        for run in (peer, ours):
+            print(
+                f"| {run.batch} | {run.side} | {number(run.enqueue_per_second)} "
+                f"| {number(run.per_second)} | {number(run.wal.bytes / run.tasks)} "
+                f"| {number(run.micros('service')) if run.side == 'genq' else DASH} "
+                f"| {number(run.micros('workers'))} | {number(run.micros('postgres'))} |"
+            )
+        print(
+            f"| {ours.batch} | genq / PGQueuer "
+            f"| {verdict(ours.enqueue_per_second / peer.enqueue_per_second, ENQUEUE_BAR, True)} "
+            f"| {verdict(ours.per_second / peer.per_second, DRAIN_BAR, True)} "
+            f"| {verdict(ours.wal.bytes / peer.wal.bytes, WAL_BAR, False)} | | | |"
+        )
+    print()
+
+
+def notes(runs: list[Run], inspected: bool) -> None:
+    how = (
+        "pg_walinspect, this side's database only"
+        if inspected
+        else "pg_current_wal_lsn() differences: the whole cluster's WAL"
+    )
+    print(f"WAL: enqueue + drain windows, {how}. Per task, enqueue / drain; LSN difference:")
+    for run in runs:
+        wal = run.wal
+        line = f"  N={run.batch} {run.side}: LSN {wal.lsn_bytes / run.tasks:,.0f} B/task"
+        if wal.others_bytes is not None:
+            line += f", others' records in the same windows {wal.others_bytes:,} B"
+        print(line)
+        if wal.others_bytes and wal.own_bytes and wal.others_bytes > 0.01 * wal.own_bytes:
+            print(
+                "    warning: something else wrote WAL on the cluster meanwhile: the LSN "
+                "figure is disturbed (the per-database one is not)"
+            )
+        if wal.checkpoints:
+            print(
+                f"    warning: {wal.checkpoints} checkpoint(s) began inside the windows: "
+                "full-page writes inflate this side's WAL; run again"
+            )
+        other = run.other_cores
+        if other is not None and other > DISTURBED:
+            print(f"    warning: others used {other:.2f} core during the drain (disturbed)")
+
+
+def genq_detail(run: Run) -> None:
+    thousands = run.tasks / 1000
+    calls = ", ".join(
+        f"{method} {count / thousands:.1f} ({1000 * run.seconds[method] / count:.1f} ms)"
+        for method, count in sorted(run.calls.items())
+    )
+    cores = {name: used / run.drain_seconds for name, used in run.cpu.items()}
+    print(
+        f"  genq N={run.batch}: drain {run.tasks:,} in {run.drain_seconds:.2f} s; RPCs per 1,000 "
+        f"tasks (mean ms a call): {calls}"
+    )
+    if cores:
+        other = run.other_cores or 0.0
+        print(
+            "    cores: "
+            + ", ".join(f"{name} {cores[name]:.2f}" for name in ("service", "workers", "postgres"))
+            + f", other {other:.2f}, of {os.cpu_count()}"
+        )
+
+
+def compare(args: argparse.Namespace, wal: WalMeter) -> None:
+    peers = []
+    for batch in args.batches:
+        run = pgqueuer(args, batch, wal)
+        peers.append(run)
+        print(
+            f"  PGQueuer batch {batch}: enqueue {run.enqueue_per_second:,.0f}/s, drain "
+            f"{run.tasks:,} in {run.drain_seconds:.2f} s = {run.per_second:,.0f}/s"
+        )
+    ours = []
+    with genq_service(args) as genq:
+        for batch in args.batches:
+            run = genq_run(args, genq, batch, wal)
+            ours.append(run)
+            genq_detail(run)
+    if args.hop:
+        print("the genq lines below are the hop's (bench/hop.py), not the service's:")
+    table(list(zip(peers, ours, strict=True)))
+    notes([run for pair in zip(peers, ours, strict=True) for run in pair], wal.inspect)
+
+
+# --- paid ---------------------------------------------------------------------------------------
 
 PAID_BAR = 0.7
 """Issue 9: paid drain (estimate + cost on every task, 8 tools) >= 0.7 x the unpaid drain."""
@@ -508,91 +861,59 @@ def recorded_cost(url: str) -> str:
         found = connection.execute(
             "SELECT count(*), count(*) FILTER (WHERE a.estimate_nanos > 0), "
             "coalesce(sum(a.cost_nanos), 0) FROM generation.attempts a "
-            "JOIN generation.tasks t ON t.id = a.task_id"  # this drain's (TRUNCATE keeps them)
+            "JOIN generation.tasks t ON t.id = a.task_id"
         ).fetchone()
     assert found is not None
     return f"{found[0]:,} attempts, {found[1]:,} with an estimate, {found[2]:,} cost nanos recorded"
 
 
 def genq_paid(args: argparse.Namespace) -> None:
-    """Unpaid on 1 tool, unpaid on 8, paid on 8: same N, same service, one run."""
-    with genq_service(args) as (url, service, tool_id):
-        for workers in args.workers:
+    """Unpaid on 1 tool, unpaid on 8, paid on 8: same tasks, same service, one run, per N."""
+    with genq_service(args) as genq:
+        for batch in args.batches:
             figures = {}
             for label, tools, estimate, cost in (
                 ("unpaid, 1 tool", None, 0, 0),
                 (f"unpaid, {PAID_TOOLS} tools", True, 0, 0),
                 (f"paid, {PAID_TOOLS} tools", True, args.estimate_nanos, args.cost_nanos),
             ):
-                named = asyncio.run(paid_tools(service.address, estimate)) if tools else None
-                print(f"-- {label}: estimate {estimate} nanos, cost {cost} nanos a task")
-                result = drain(args, service, url, tool_id, workers, named, cost)
-                report(args, result)
-                print(f"  {recorded_cost(url)}")
-                figures[label] = result.per_second
+                named = asyncio.run(paid_tools(genq.service.address, estimate)) if tools else None
+                run = genq_run(args, genq, batch, None, named, cost)
+                print(
+                    f"-- N={batch}, {label} (estimate {estimate}, cost {cost} nanos a task): "
+                    f"{run.per_second:,.0f} tasks/s; {recorded_cost(genq.url)}"
+                )
+                genq_detail(run)
+                figures[label] = run.per_second
             paid = figures[f"paid, {PAID_TOOLS} tools"]
             for base in ("unpaid, 1 tool", f"unpaid, {PAID_TOOLS} tools"):
                 ratio = paid / figures[base]
-                bar = ""
-                if base == "unpaid, 1 tool":
-                    verdict = "met" if ratio >= PAID_BAR else "missed"
-                    bar = f" (bar {PAID_BAR:g}: {verdict})"
-                print(
-                    f"paid ratio, {workers} worker process(es), paid {PAID_TOOLS} tools / "
-                    f"{base}: {ratio:.2f}{bar}"
-                )
-
-
-def report(args: argparse.Namespace, result: Drain) -> None:
-    thousands = result.tasks / 1000
-    calls = ", ".join(
-        f"{method} {count / thousands:.1f}" for method, count in sorted(result.calls.items())
-    )
-    print(
-        f"genq enqueue_many (its defaults: 1,000 a call, {ENQUEUE_CONCURRENCY} in flight): "
-        f"{result.enqueue_per_second:,.0f} tasks/s"
-    )
-    print(
-        f"genq drain, {result.workers} worker process(es) x {args.concurrency} slots: "
-        f"{result.tasks} tasks in {result.drain_seconds:.2f} s = {result.per_second:,.0f} tasks/s"
-    )
-    print(f"  RPCs per 1,000 tasks: {calls}")
-    latency = ", ".join(
-        f"{method} {1000 * result.seconds[method] / count:.1f}"
-        for method, count in sorted(result.calls.items())
-    )
-    print(f"  mean ms per call: {latency}")
-    if "machine" in result.cpu:
-        cores = {name: used / result.drain_seconds for name, used in result.cpu.items()}
-        cores["other"] = cores["machine"] - sum(
-            cores[name] for name in ("service", "postgres", "workers")
-        )
-        flag = " (disturbed: other > 0.25)" if cores["other"] > 0.25 else ""
-        print(
-            "  CPU (cores): "
-            + ", ".join(f"{name} {cores[name]:.2f}" for name in CPU_PARTIES)
-            + f" of {os.cpu_count()}{flag}"
-        )
+                bar = f" {verdict(ratio, PAID_BAR, True)}" if base == "unpaid, 1 tool" else ""
+                print(f"N={batch}: paid {PAID_TOOLS} tools / {base}: {ratio:.2f}{TIMES}{bar}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--batches",
+        type=lambda v: [int(n) for n in v.split(",")],
+        default=[10, 100],
+        help="N: genq's lanes and PGQueuer's dequeue batch (10,100)",
+    )
     parser.add_argument("--tasks", type=int, default=20_000)
-    parser.add_argument("--concurrency", type=int, default=100, help="slots per worker process")
-    parser.add_argument("--workers", type=lambda v: [int(n) for n in v.split(",")], default=[1, 2])
-    parser.add_argument("--enqueue-concurrency", type=int, default=1)
+    parser.add_argument("--workers", type=int, default=1, help="genq worker processes (1)")
+    parser.add_argument(
+        "--enqueue-concurrency",
+        type=int,
+        default=None,
+        help=f"genq QueueTasks calls in flight (the SDK's default, {ENQUEUE_CONCURRENCY})",
+    )
     parser.add_argument("--timeout", type=float, default=300, help="longest drain, seconds")
     parser.add_argument("--service-env", action="append", default=[], metavar="NAME=VALUE")
-    parser.add_argument("--pgqueuer-python", default=PGQ_PYTHON)
-    parser.add_argument("--pgqueuer-script", default=str(PGQ_SCRIPT))
-    parser.add_argument(
-        "--pgqueuer-batch", type=lambda v: [int(n) for n in v.split(",")], default=[10]
-    )
-    parser.add_argument("--skip-pgqueuer", action="store_true")
     parser.add_argument(
         "--hop",
         action="store_true",
-        help="serve genq's phases with bench/hop.py instead of genq serve: the service without "
+        help="serve genq's side with bench/hop.py instead of genq serve: the service without "
         "its middleware, around the same statements (see its docstring)",
     )
     parser.add_argument(
@@ -602,34 +923,19 @@ def main() -> None:
     parser.add_argument("--cost-nanos", type=int, default=1000, help="--paid: cost of each task")
     args = parser.parse_args()
 
-    print(f"{args.tasks} no-op tasks; machine: {os.cpu_count()} CPUs")
+    print(
+        f"{args.tasks:,} no-op tasks, N = {', '.join(map(str, args.batches))}; machine: "
+        f"{os.cpu_count()} CPUs; postgres: {server_settings(ADMIN_URL)}"
+    )
     if args.paid:
         genq_paid(args)
         return
-    peer = None if args.skip_pgqueuer else pgqueuer(args)
-    results, concurrent = genq(args)
-
-    if peer is None:
-        return
-    if args.hop:
-        print("the ratios below are the hop's (bench/hop.py), not the service's:")
-    if peer.drain.get(10):
-        for result in results:
-            ratio = result.per_second / peer.drain[10]
-            verdict = "met" if ratio >= DRAIN_BAR else "missed"
-            print(
-                f"drain ratio, {result.workers} worker process(es) / pgqueuer batch 10: "
-                f"{ratio:.2f} (bar {DRAIN_BAR:g}: {verdict})"
-            )
-    if peer.enqueue:
-        rates = [(f"defaults, run {n}", r.enqueue_per_second) for n, r in enumerate(results, 1)]
-        rates.append((f"concurrency={args.enqueue_concurrency}", concurrent))
-        for name, rate in rates:
-            ratio = rate / peer.enqueue
-            verdict = "met" if ratio >= ENQUEUE_BAR else "missed"
-            print(
-                f"enqueue ratio ({name}) / pgqueuer: {ratio:.2f} (bar {ENQUEUE_BAR:g}: {verdict})"
-            )
+    with database("genq_bench_wal") as url:
+        wal = WalMeter(url)
+        try:
+            compare(args, wal)
+        finally:
+            wal.close()
 
 
 if __name__ == "__main__":
