@@ -12,8 +12,9 @@ For each N in `--batches`, one run, PGQueuer first (all N), then genq (all N):
 
 - PGQueuer: a database of its own (`pgq install --durability durable`: every table logged), one
   process that enqueues `--tasks` jobs with `Queries.enqueue`, 1,000 a call, one call at a time,
-  then drains them with `QueueManager.run(batch_size=N, mode=drain)` and an entrypoint that
-  returns at once.
+  then drains them with `QueueManager.run(batch_size=N)` (continuous, as a production worker
+  runs; stopped once the bench has read the drain's figures) and an entrypoint that returns at
+  once.
 - genq: a database of its own (migrated, a daily cap no run reaches), `python -m service serve`
   on a free port with its defaults (`--service-env NAME=VALUE` to change them; `--hop`: bench/
   hop.py instead, the service without its middleware), one tool "noop", warmed by one enqueue
@@ -205,7 +206,7 @@ class Wal:
     others_bytes: int | None = None
     """The records of the same windows that are not this side's (other databases, the server)."""
     checkpoints: int = 0
-    """Checkpoints that began inside the windows (pg_stat_bgwriter)."""
+    """Windows with a checkpoint's redo point inside them (pg_control_checkpoint())."""
 
     def __add__(self, other: Wal) -> Wal:
         def both(a: int | None, b: int | None) -> int | None:
@@ -261,23 +262,21 @@ class WalMeter:
     def close(self) -> None:
         self.connection.close()
 
-    def _now(self) -> tuple[str, int]:
+    def begin(self) -> str:
+        found = self.connection.execute("SELECT pg_current_wal_lsn()::text").fetchone()
+        assert found is not None
+        return str(found[0])
+
+    def end(self, start: str, oid: int) -> Wal:
+        """The window from `start` (begin's) to now, of the database `oid`."""
         found = self.connection.execute(
-            "SELECT pg_current_wal_lsn()::text, checkpoints_timed + checkpoints_req "
-            "FROM pg_stat_bgwriter"
+            "SELECT pg_current_wal_lsn()::text, pg_current_wal_lsn() - %s::pg_lsn, "
+            "(SELECT redo_lsn > %s::pg_lsn FROM pg_control_checkpoint())",
+            [start, start],
         ).fetchone()
         assert found is not None
-        return str(found[0]), int(found[1])
-
-    def begin(self) -> tuple[str, int]:
-        return self._now()
-
-    def end(self, began: tuple[str, int], oid: int) -> Wal:
-        start, checkpoints = began
-        end, later = self._now()
-        found = self.connection.execute("SELECT %s::pg_lsn - %s::pg_lsn", [end, start]).fetchone()
-        assert found is not None
-        wal = Wal(int(found[0]), checkpoints=later - checkpoints)
+        end = str(found[0])
+        wal = Wal(int(found[1]), checkpoints=int(bool(found[2])))
         if not self.inspect:
             return wal
         deadline = time.monotonic() + 10
@@ -375,7 +374,8 @@ class Run:
     tasks: int
     enqueue_per_second: float
     drain_seconds: float
-    wal: Wal
+    enqueue_wal: Wal
+    drain_wal: Wal
     cpu: dict[str, float]
     """CPU seconds during the drain: service, workers, postgres, machine."""
     calls: Counter[str] = field(default_factory=Counter)
@@ -386,6 +386,10 @@ class Run:
     @property
     def per_second(self) -> float:
         return self.tasks / self.drain_seconds
+
+    @property
+    def wal(self) -> Wal:
+        return self.enqueue_wal + self.drain_wal
 
     def micros(self, party: str) -> float | None:
         return 1e6 * self.cpu[party] / self.tasks if party in self.cpu else None
@@ -449,7 +453,9 @@ PGQ_DONE = (
 
 
 def pgqueuer_process(url: str, tasks: int, batch: int, pipe: Connection) -> None:
-    """PGQueuer's side in a process of its own: enqueue on "enqueue", drain on "drain"."""
+    """PGQueuer's side in a process of its own: enqueue on "enqueue", then a QueueManager as it
+    runs in production (continuous) from "drain" to "stop", which the bench sends once it has read
+    the drain's figures: the process and its connections are alive while their CPU is read."""
 
     async def main() -> None:
         import asyncpg  # type: ignore[import-untyped,unused-ignore]
@@ -479,13 +485,18 @@ def pgqueuer_process(url: str, tasks: int, batch: int, pipe: Connection) -> None
             await queries.enqueue([TOOL] * n, [None] * n, [0] * n)
         pipe.send(tasks / (time.perf_counter() - begun))
         await asyncio.to_thread(pipe.recv)  # "drain"
-        await manager.run(
-            batch_size=batch,
-            mode=QueueExecutionMode.drain,
-            dequeue_timeout=timedelta(seconds=1),
+        running = asyncio.create_task(
+            manager.run(
+                batch_size=batch,
+                mode=QueueExecutionMode.continuous,
+                dequeue_timeout=timedelta(seconds=1),
+            )
         )
+        await asyncio.to_thread(pipe.recv)  # "stop": measured while its connections are open
+        manager.shutdown.set()
+        await running
         await enqueuing.close()
-        pipe.send("drained")
+        pipe.send("stopped")
 
     asyncio.run(main())
 
@@ -527,10 +538,11 @@ def pgqueuer(args: argparse.Namespace, batch: int, wal: WalMeter | None) -> Run:
                 last = wait_done(looking, PGQ_DONE, args.tasks, args.timeout)
                 cpu = meter.end()
                 drained = wal.end(began, oid) if wal and began else Wal()
-            started([ours], "PGQueuer's drain")
+            ours.send("stop")
+            started([ours], "PGQueuer's stop")
         finally:
             stop([process])
-    return Run("PGQueuer", batch, args.tasks, enqueue_rate, last - go, enqueued + drained, cpu)
+    return Run("PGQueuer", batch, args.tasks, enqueue_rate, last - go, enqueued, drained, cpu)
 
 
 # --- genq ---------------------------------------------------------------------------------------
@@ -689,7 +701,7 @@ def genq_run(
     finally:
         stop(processes)
     return Run(
-        "genq", lanes, args.tasks, enqueue_rate, last - go, enqueued + drained, cpu, calls, seconds
+        "genq", lanes, args.tasks, enqueue_rate, last - go, enqueued, drained, cpu, calls, seconds
     )
 
 
@@ -767,26 +779,30 @@ def table(pairs: list[tuple[Run, Run]]) -> None:
 
 def notes(runs: list[Run], inspected: bool) -> None:
     how = (
-        "pg_walinspect, this side's database only"
+        "pg_walinspect, each side's database only"
         if inspected
-        else "pg_current_wal_lsn() differences: the whole cluster's WAL"
+        else "pg_current_wal_lsn() differences: the whole cluster's WAL (no pg_walinspect)"
     )
-    print(f"WAL: enqueue + drain windows, {how}. Per task, enqueue / drain; LSN difference:")
+    print(f"WAL B/task above: {how}; enqueue + drain windows, ANALYZE between them left out.")
     for run in runs:
         wal = run.wal
-        line = f"  N={run.batch} {run.side}: LSN {wal.lsn_bytes / run.tasks:,.0f} B/task"
+        line = (
+            f"  N={run.batch} {run.side}: enqueue {run.enqueue_wal.bytes / run.tasks:,.0f} + "
+            f"drain {run.drain_wal.bytes / run.tasks:,.0f} B/task; by LSN (the cluster's) "
+            f"{wal.lsn_bytes / run.tasks:,.0f}"
+        )
         if wal.others_bytes is not None:
-            line += f", others' records in the same windows {wal.others_bytes:,} B"
+            line += f"; others' records in the windows {wal.others_bytes:,} B"
         print(line)
         if wal.others_bytes and wal.own_bytes and wal.others_bytes > 0.01 * wal.own_bytes:
             print(
-                "    warning: something else wrote WAL on the cluster meanwhile: the LSN "
-                "figure is disturbed (the per-database one is not)"
+                "    warning: others wrote WAL on the shared cluster meanwhile: the LSN figure "
+                "counts it, the per-database one does not"
             )
         if wal.checkpoints:
             print(
-                f"    warning: {wal.checkpoints} checkpoint(s) began inside the windows: "
-                "full-page writes inflate this side's WAL; run again"
+                "    warning: a checkpoint began inside a window: full-page writes inflate this "
+                "side's WAL; run again"
             )
         other = run.other_cores
         if other is not None and other > DISTURBED:
