@@ -904,8 +904,12 @@ def genq_paid(args: argparse.Namespace) -> None:
             paid = figures[f"paid, {PAID_TOOLS} tools"]
             for base in ("unpaid, 1 tool", f"unpaid, {PAID_TOOLS} tools"):
                 ratio = paid / figures[base]
-                bar = f" {verdict(ratio, PAID_BAR, True)}" if base == "unpaid, 1 tool" else ""
-                print(f"N={batch}: paid {PAID_TOOLS} tools / {base}: {ratio:.2f}{TIMES}{bar}")
+                shown = (
+                    verdict(ratio, PAID_BAR, True)
+                    if base == "unpaid, 1 tool"
+                    else f"{ratio:.2f}{TIMES}"
+                )
+                print(f"N={batch}: paid {PAID_TOOLS} tools / {base}: {shown}")
 
 
 def main() -> None:
