@@ -27,9 +27,10 @@ Each side starts on an empty queue (a fresh PGQueuer database; genq's tables TRU
 one CHECKPOINT, and no CHECKPOINT runs between its enqueue and its drain (the first change of
 each page after a checkpoint writes the whole page into the WAL: both sides start alike); a
 side whose windows a checkpoint still fell into (the server's timed one, or another client's) is
-run again, up to CHECKPOINT_RETRIES times. The worker processes are started and have imported everything before the enqueue; the drain runs
-from their release to the last task's end (genq: `max(completed_at)`; PGQueuer: the last
-`successful` row of `pgqueuer_log`), both read from the database, not from the workers' exit.
+run again, up to CHECKPOINT_RETRIES times. The worker processes are started and have imported
+everything before the enqueue; the drain runs from their release to the last task's end (genq:
+`max(completed_at)`; PGQueuer: the last `successful` row of `pgqueuer_log`), both read from the
+database, not from the workers' exit.
 
 Durability: synchronous_commit = on for both (set on each database, read back from each side's
 own connections and printed); every table of both sides is asserted logged (relpersistence p).
