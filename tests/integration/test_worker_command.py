@@ -28,6 +28,7 @@ from psycopg.rows import dict_row
 
 from generation.task.v1 import task_pb2
 from service import logs as service_logs
+from service import tokens
 from tests.conftest import ROOT, Databases, ServiceProcess, url_for, wait_for
 from workers_sdk import logs
 from workers_sdk.cli import worker
@@ -203,6 +204,46 @@ def test_what_cannot_be_loaded_exits_with_a_clear_message(
     assert result.returncode == code, result.stderr
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.fixture(scope="module")
+def secured(databases: Databases, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A service with GENQ_AUTH=required (plaintext on loopback), and its database's URL."""
+    url = url_for(databases.create("worker_auth"))
+    process = ServiceProcess(
+        url, tmp_path_factory.mktemp("auth") / "serve.log", GENQ_AUTH="required"
+    )
+    yield process, url
+    process.stop()
+
+
+def test_the_token_option_reaches_the_service_and_a_refusal_exits_1(secured: Any) -> None:
+    """--token is the fleet's token: a worker token of the tool drains it; a viewer's is refused
+    at registration (exit 1, the refusal said); none at all, too."""
+    service, url = secured
+    operator = tokens.create(url, ["operator"], [], None, "test operator")
+    admin = ("authorization", f"Bearer {operator}")
+    name = f"worker-{uuid.uuid4().hex[:10]}"
+    tool = service.stub.UpsertTool(task_pb2.UpsertToolRequest(name=name), metadata=[admin]).tool
+    service.stub.UpdateSettings(
+        task_pb2.UpdateSettingsRequest(daily_cap_nanos=10 * UNIT), metadata=[admin]
+    )
+    request = task_pb2.QueueTaskRequest(tool_id=tool.id)
+    task_id = service.stub.QueueTask(request, metadata=[admin]).task.id
+    worker_token = tokens.create(url, ["worker"], [name], None, "test worker")
+    viewer = tokens.create(url, ["viewer"], [], None, "test viewer")
+
+    refused = genq_worker(service, tool, APP, "--until-empty", "--token", viewer)
+    assert refused.returncode == ERROR, refused.stderr
+    assert "genq worker: PERMISSION_DENIED" in refused.stderr
+    anonymous = genq_worker(service, tool, APP, "--until-empty", GENQ_TOKEN="")
+    assert anonymous.returncode == ERROR and "UNAUTHENTICATED" in anonymous.stderr
+
+    done = genq_worker(service, tool, APP, "--until-empty", "--token", worker_token)
+    assert done.returncode == DONE, done.stderr
+    with psycopg.connect(url, row_factory=dict_row) as db:
+        assert task(db, task_id)["status"] == "completed"
+        assert attempts(db, task_id) == ["completed"]
 
 
 class Worker:
