@@ -132,6 +132,16 @@ def test_until_empty_drains_the_queue_and_exits_0(
         assert runs(wdb, task_id) == 1
 
 
+@pytest.mark.parametrize("attr", ["fleet", "make_fleet_async"])
+def test_attr_may_be_a_fleet_or_an_async_factory(
+    service: ServiceProcess, tool: task_pb2.Tool, wdb: Db, attr: str
+) -> None:
+    task_id = queue(service, tool)
+    result = genq_worker(service, tool, f"tests.integration.worker_app:{attr}", "--until-empty")
+    assert result.returncode == DONE, result.stderr
+    assert attempts(wdb, task_id) == ["completed"]
+
+
 def test_until_empty_exits_0_when_the_work_waits(
     service: ServiceProcess, tool: task_pb2.Tool, wdb: Db
 ) -> None:

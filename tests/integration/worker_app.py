@@ -4,7 +4,8 @@
 park GENQ_POLL_INTERVAL (0.3 s) and a drain waits GENQ_DRAIN_TIMEOUT (30 s). Its handler logs
 "task <id>: running" (so a test knows a task is in flight), publishes the progress event
 "running" (so a test counts the runs in SQL), sleeps `input.seconds` and returns {"pid": ...}.
-`fleet` is a ready-made WorkerFleet of the same tool, `not_a_fleet` is not one.
+`make_fleet_async` is the same factory as a coroutine, `fleet` a ready-made WorkerFleet of the
+same tool, `not_a_fleet` is not one.
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ def make_fleet() -> WorkerFleet:
     )
     fleet.register(env["GENQ_TOOL"], handle)
     return fleet
+
+
+async def make_fleet_async() -> WorkerFleet:
+    """An async factory: awaited inside the command's event loop."""
+    await asyncio.sleep(0)
+    return make_fleet()
 
 
 fleet = make_fleet() if "GENQ_TOOL" in os.environ else None
