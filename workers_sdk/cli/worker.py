@@ -24,7 +24,10 @@ service refuses (a token that may not claim the tool, say) ends the run with 1; 
 service is waited for, as the fleet always does.
 
 The fleet reports no idle reasons of its own, so the command reads them from the answers of its
-client's claims (`watch_claims`). Docs: "Running workers: genq worker" in docs/OPERATIONS.md.
+client's claims (`watch_claims` wraps that client's `call`); and a registered tool's concurrency
+cannot be changed, so --concurrency wraps `WorkerFleet.register` while the module loads
+(`every_lane`). A public `WorkerFleet(on_idle=...)` callback and a `set_concurrency` method would
+replace both. Docs: "Running workers: genq worker" in docs/OPERATIONS.md.
 """
 
 from __future__ import annotations
@@ -104,25 +107,24 @@ HEALTH_TOUCH_SECONDS = 10.0
 """How often --health-file is touched while the fleet works."""
 
 
-def reason_word(reason: int) -> str:
-    """IDLE_REASON_PAUSED -> "paused"; a number this SDK does not know, as a number."""
-    try:
-        return pb.IdleReason.Name(reason).removeprefix("IDLE_REASON_").lower()  # type: ignore[arg-type]
-    except ValueError:
-        return f"idle reason {reason}"
-
-
-def exit_code(reasons: dict[str, int]) -> int:
-    """The exit code for the idle reasons of the tools (name -> IdleReason)."""
-    asked = {IDLE_EXIT.get(_name(reason), DONE) for reason in reasons.values()}
-    return next(code for code in PRECEDENCE if code in asked or code == DONE)
-
-
-def _name(reason: int) -> str:
+def reason_name(reason: int) -> str:
+    """IDLE_REASON_PAUSED for 5; "" for a number this SDK does not know."""
     try:
         return pb.IdleReason.Name(reason)  # type: ignore[arg-type]
     except ValueError:
         return ""
+
+
+def reason_word(reason: int) -> str:
+    """ "paused" for IDLE_REASON_PAUSED; "idle reason N" for a number this SDK does not know."""
+    name = reason_name(reason)
+    return name.removeprefix("IDLE_REASON_").lower() if name else f"idle reason {reason}"
+
+
+def exit_code(reasons: dict[str, int]) -> int:
+    """The exit code for the idle reasons of the tools (name -> IdleReason)."""
+    asked = {IDLE_EXIT.get(reason_name(reason), DONE) for reason in reasons.values()}
+    return next((code for code in PRECEDENCE if code in asked), DONE)
 
 
 # -- loading MODULE:ATTR ------------------------------------------------------------------------
