@@ -1,10 +1,14 @@
 """A stand-in generation tool: "image-gen" pretends to render an image.
 
-    GENQ_ADDR=localhost:50051 python examples/worker.py
+    genq worker examples.worker:make_fleet          # from the repository's root
+    python examples/worker.py                       # the same, without the genq program
 
-It sleeps through a few steps, publishing progress and reporting what each step cost, and
-returns a made-up image URL. Task input: {"prompt": "...", "seconds": 3.0}. SIGTERM or Ctrl-C
-drains it; a cancel of a running render stops it, and the steps it paid for are recorded (see
+`make_fleet` builds the WorkerFleet from the environment; `genq worker` runs it (SIGTERM or
+Ctrl-C drains it, --until-empty stops when nothing is due, --concurrency overrides
+GENQ_CONCURRENCY, GENQ_HEALTH_FILE is touched while it works: see "Running workers: genq worker"
+in docs/OPERATIONS.md). It sleeps through a few steps, publishing progress and reporting what
+each step cost, and returns a made-up image URL. Task input: {"prompt": "...", "seconds": 3.0}.
+A cancel of a running render stops it, and the steps it paid for are recorded (see
 workers_sdk.fleet).
 
 Environment (each with its default):
@@ -21,9 +25,10 @@ Environment (each with its default):
                                          --role worker --tool image-gen); none: anonymous
     GENQ_TLS_CA_FILE                     TLS: the CA the service's certificate is signed by
     GENQ_TLS_CLIENT_CERT_FILE, GENQ_TLS_CLIENT_KEY_FILE   mutual TLS: this worker's certificate
-    GENQ_HEALTH_FILE (unset)             touched every HEALTH_TOUCH_SECONDS once the fleet has
-                                         registered its tool with the service, while it works:
-                                         a health check reads its age (docker-compose.yml)
+    GENQ_LOG_LEVEL, GENQ_LOG_FORMAT      as the service's (info, text; or json)
+    GENQ_HEALTH_FILE (unset)             touched every 10 s once the fleet has registered its
+                                         tool with the service, while it works: a health
+                                         check reads its age (docker-compose.yml)
 """
 
 from __future__ import annotations
@@ -32,11 +37,12 @@ import asyncio
 import logging
 import os
 import socket
-from pathlib import Path
+import sys
 from typing import Any
 
 from generation.task.v1 import task_pb2
 from workers_sdk import PermanentError, TaskContext, WorkerFleet
+from workers_sdk.cli import main as genq
 
 STEPS = 5
 PRICE_TOKENS = 10
@@ -45,8 +51,6 @@ COST_NANOS_PER_SECOND = 2_000_000
 """What the pretend provider charges the operator: 0.002 currency units per second of render."""
 
 WORKER = f"{socket.gethostname()}:{os.getpid()}"
-HEALTH_TOUCH_SECONDS = 10.0
-"""How often the health file is touched; a check allows a few missed touches."""
 
 
 async def render(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
@@ -70,26 +74,8 @@ async def render(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
     return {"image_url": f"https://images.example.invalid/{task.id}.png", "worker": WORKER}
 
 
-async def work(fleet: WorkerFleet, health_file: str | None) -> None:
-    """Runs the fleet; with a health file, touches it while the fleet works: from when its tool
-    is registered (the service answered, the token was accepted) until it drains."""
-    if health_file is None:
-        await fleet.run()
-        return
-    running = asyncio.create_task(fleet.run())
-    ready = asyncio.create_task(fleet.ready.wait())
-    await asyncio.wait([running, ready], return_when=asyncio.FIRST_COMPLETED)
-    path = Path(health_file)
-    while not running.done():
-        await asyncio.to_thread(path.touch)
-        await asyncio.wait([running], timeout=HEALTH_TOUCH_SECONDS)
-    ready.cancel()
-    await asyncio.to_thread(path.unlink, missing_ok=True)
-    await running
-
-
-def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+def make_fleet() -> WorkerFleet:
+    """The fleet, from the environment: `genq worker examples.worker:make_fleet`."""
     env = os.environ.get
     tool = env("GENQ_TOOL", "image-gen")
     fleet = WorkerFleet(
@@ -101,8 +87,13 @@ def main() -> None:
     )
     fleet.register(tool, render, concurrency=int(env("GENQ_CONCURRENCY", "4")))
     logging.getLogger(__name__).info("worker %s hosting %s", WORKER, tool)
-    asyncio.run(work(fleet, env("GENQ_HEALTH_FILE")))
+    return fleet
+
+
+def main() -> int:
+    """`genq worker` on this module's factory (this very module, when run as a script)."""
+    return genq(["worker", f"{__name__}:make_fleet", *sys.argv[1:]])
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

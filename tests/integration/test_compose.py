@@ -66,6 +66,8 @@ def reader_source(service: str) -> str:
             ROOT / "service" / "cli.py",
             *sorted((ROOT / "workers_sdk" / "cli").glob("*.py")),
         ]
+        if cmd[1:2] == ["worker"]:  # and the module whose fleet it runs (MODULE:ATTR)
+            program.append(ROOT / (cmd[2].partition(":")[0].replace(".", "/") + ".py"))
         return "".join(path.read_text() for path in program) + client
     assert cmd[0] == "python", cmd
     return (ROOT / cmd[1]).read_text() + client
@@ -183,7 +185,7 @@ def test_every_command_is_one_the_image_runs() -> None:
             assert cmd[0] == "python" and len(cmd) == 2, f"{service}: {cmd}"
             assert (ROOT / cmd[1]).is_file(), f"{service}: no {cmd[1]}"
     assert command("genq") == ["genq", "serve"]  # migrates, then serves
-    assert command("worker") == ["python", "examples/worker.py"]
+    assert command("worker")[:3] == ["genq", "worker", "examples.worker:make_fleet"]
     assert command("reconciler") == ["genq", "reconcile"]
     assert script_commands("setup") == [
         ["genq", "settings", "--format", "json"],
@@ -492,8 +494,10 @@ def test_the_worker_health_check_follows_the_worker(
     health_file = tmp_path / "worker.alive"
     assert worker_health(health_file) != 0, "no worker yet"
     log = open(tmp_path / "worker.log", "wb")  # noqa: SIM115 - closed below
+    # The compose command (genq worker ...) from the repository's root, as from the image's /app.
     worker = subprocess.Popen(
-        [sys.executable, str(ROOT / command("worker")[1])],
+        [sys.executable, "-m", "workers_sdk.cli", *command("worker")[1:]],
+        cwd=ROOT,
         env={
             **os.environ,
             "GENQ_ADDR": service.address,

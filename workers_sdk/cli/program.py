@@ -17,7 +17,7 @@ import sys
 import textwrap
 from importlib.metadata import entry_points
 
-from workers_sdk.cli import gates, history, reconcile, resources, tasks
+from workers_sdk.cli import gates, history, reconcile, resources, tasks, worker
 from workers_sdk.cli.command import CONNECTION, credentials, target
 from workers_sdk.client import GenqClient
 from workers_sdk.commands import (
@@ -34,13 +34,15 @@ WIDTH = 96  # help text is wrapped to this; the epilog is written to fit it
 
 EPILOG = """\
 exit codes:
-  0  done; for status: the queue runs (its work may be empty or waiting)
+  0  done; for status: the queue runs (its work may be empty or waiting); for worker
+     --until-empty: nothing is due (empty, or waiting)
   1  error: the service could not be reached, or refused the call (NOT_FOUND, ...)
   2  bad usage
   3  disabled: status finds the kill switch off (stored, or GENQ_DISABLED in the service's
-     environment); resume exits 3 when GENQ_DISABLED still keeps the queue off
+     environment); resume exits 3 when GENQ_DISABLED still keeps the queue off; worker
+     --until-empty stopped on the kill switch or a paused tool
   4  capped: status finds no global daily cap, a cap of 0, or today's spend plus reservations
-     at the cap
+     at the cap; worker --until-empty stopped on a cap with no room
 
 The operators' commands talk to the service over gRPC at --target (default: GENQ_ADDR, else
 localhost:50051) and need no database credentials. Money is in currency units (2.50), stored as
@@ -62,6 +64,7 @@ def commands() -> list[Command]:
         *resources.COMMANDS,
         *history.COMMANDS,
         *reconcile.COMMANDS,
+        *worker.COMMANDS,
     ]
     return [*operators, *service_commands()]
 
