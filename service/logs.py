@@ -1,5 +1,6 @@
 """The service's log lines: their level and format (GENQ_LOG_LEVEL, GENQ_LOG_FORMAT), and the
-libraries `genq serve` drives at start, held back unless they fail.
+libraries `genq serve` drives at start, held back unless they fail. The line format is the SDK's
+(workers_sdk/logs.py), so `genq serve` and `genq worker` write the same lines.
 
 The embedded Postgres (initdb, pg_ctl) and alembic log every step at INFO: about 70 lines at
 each start, one of them initdb's "you can now start the database server using…", which reads
@@ -10,17 +11,16 @@ still shows what led to it. GENQ_LOG_LEVEL=debug lets them through as they come.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime
 
 from service.settings import Settings
+from workers_sdk import logs
+from workers_sdk.logs import TEXT_FORMAT, JsonFormatter
 
-LEVELS = ("debug", "info", "warning", "error")
-FORMATS = ("text", "json")
-TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+__all__ = ["JsonFormatter", "configure", "held_back", "problem"]
+
 # With GENQ_PROCESSES above 1, a child's lines say which process wrote them (genq-N).
 CHILD_TEXT_FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
 
@@ -33,35 +33,9 @@ LEADER_LOGGER = "service.leader"
 (service/leader/)."""
 
 
-class JsonFormatter(logging.Formatter):
-    """One JSON object a line: time (UTC, ISO 8601), level, logger, message; `process` in a
-    child service process; `exception` (the traceback's text) when the record carries one."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        entry: dict[str, str] = {
-            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
-            "level": record.levelname,
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        if record.processName != "MainProcess":
-            entry["process"] = str(record.processName)
-        if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
-        elif record.exc_text:
-            entry["exception"] = record.exc_text
-        if record.stack_info:
-            entry["stack"] = self.formatStack(record.stack_info)
-        return json.dumps(entry, ensure_ascii=False)
-
-
 def problem(settings: Settings) -> str | None:
     """What is wrong with the log settings, or None."""
-    if settings.log_level.lower() not in LEVELS:
-        return f"GENQ_LOG_LEVEL={settings.log_level!r}: must be one of {', '.join(LEVELS)}"
-    if settings.log_format.lower() not in FORMATS:
-        return f"GENQ_LOG_FORMAT={settings.log_format!r}: must be one of {', '.join(FORMATS)}"
-    return None
+    return logs.problem(settings.log_level, settings.log_format)
 
 
 def configure(settings: Settings, *, child: bool = False) -> None:

@@ -3,8 +3,8 @@ GENQ_LOG_LEVEL (info: debug, info, warning or error) and GENQ_LOG_FORMAT (text, 
 JSON object a line with time, level, logger, message, and exception when there is one).
 
 The same lines as `genq serve` writes (service/logs.py), so one log collector reads both. The
-format lives here, in the SDK, because the SDK imports nothing of the service; the service may
-import it from here (tests/integration/test_worker_command.py checks the two agree).
+format lives here, in the SDK, because the SDK imports nothing of the service; the service
+imports it from here.
 """
 
 from __future__ import annotations

@@ -11,7 +11,6 @@ The worker runs tests/integration/worker_app.py.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -27,10 +26,8 @@ import pytest
 from psycopg.rows import dict_row
 
 from generation.task.v1 import task_pb2
-from service import logs as service_logs
 from service import tokens
 from tests.conftest import ROOT, Databases, ServiceProcess, url_for, wait_for
-from workers_sdk import logs
 from workers_sdk.cli import worker
 from workers_sdk.commands import CAPPED, DISABLED, DONE, ERROR, USAGE
 
@@ -329,14 +326,6 @@ def test_sigterm_past_the_drain_timeout_releases_the_task_unharmed(
     assert (released["status"], released["retry_count"]) == ("queued", 0)
     assert attempts(wdb, task_id) == ["released"]
     assert runs(wdb, task_id) == 1
-
-
-def test_the_worker_logs_as_the_service_does() -> None:
-    """The SDK's format (workers_sdk/logs.py) is the service's (service/logs.py)."""
-    assert logs.TEXT_FORMAT == service_logs.TEXT_FORMAT
-    assert (logs.LEVELS, logs.FORMATS) == (service_logs.LEVELS, service_logs.FORMATS)
-    record = logging.LogRecord("genq.x", logging.WARNING, __file__, 1, "a %s", ("b",), None)
-    assert logs.JsonFormatter().format(record) == service_logs.JsonFormatter().format(record)
 
 
 def test_the_exit_code_of_several_tools() -> None:
