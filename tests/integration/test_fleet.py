@@ -700,7 +700,7 @@ def run_scripted(
         client.log.append("handler")
         return {}
 
-    fleet.register("scripted", handler or default)
+    fleet.register("scripted", handler or default, concurrency=1)  # ClaimNextTask
 
     async def main() -> None:
         work = asyncio.create_task(fleet.run(handle_signals=False))
@@ -1119,6 +1119,7 @@ class FakeFleet:
     def __init__(self, client: Any, report_delay: float) -> None:
         self.client = client
         self.report_delay = report_delay
+        self._traced = False
 
 
 class BatchClient:
@@ -1315,7 +1316,7 @@ def test_scripted_a_claim_that_comes_in_after_the_drain_deadline_is_handed_back_
         client.log.append("handler")
         return {}
 
-    fleet.register("scripted", handler)
+    fleet.register("scripted", handler, concurrency=1)
 
     async def main() -> None:
         work = asyncio.create_task(fleet.run(handle_signals=False))
