@@ -2,7 +2,7 @@
 
     fleet = WorkerFleet("genq:50051")
 
-    @fleet.tool("image-gen", concurrency=4)
+    @fleet.tool("image-gen")   # 10 lanes (an async handler's default; `register` says why)
     async def generate(task, ctx):
         await ctx.progress(0.5, "half way")
         ctx.report_usage(token_amount=10, cost_nanos=2_000_000)
@@ -11,43 +11,42 @@
     asyncio.run(fleet.run())   # until SIGTERM/SIGINT, then drains
 
 The poll loop (one per tool, spec A "Fast pickup"; GUIDE A9). A remote worker has no Redis: the
-service does the waiting. Each sweep is one ClaimTasks for as many tasks as the tool's lane has
-free slots (`concurrency` minus the handlers running or about to run, at most 100, the service's
-limit) with `wait` = jittered `poll_interval`: when tasks are ready it answers at once with up to
-that many (so the loop drains fast while it keeps claiming), and when none is, it parks in the
-service, which answers the moment a task for the tool is committed, or empty when the wait runs
-out (the polling floor). A sweep for one slot is a ClaimNextTask (the same statement with a
-limit of 1). A slot is taken from the claim until the task's handler returns (the report that
-follows no longer holds it, so the next claim overlaps the last batch's reports). At concurrency
-capacity the loop backs off 0.25 s (sooner if a slot frees). The fleet's own wake event says "a
-slot freed or stop was requested"; it is cleared before each sweep, so one set during the sweep
-is not lost.
+service does the waiting. Each sweep is one ClaimTasks for as many tasks as the tool's lane has free
+slots (`concurrency` minus the handlers running or about to run, at most 100, the service's limit)
+with `wait` = jittered `poll_interval`: when tasks are ready it answers at once with up to that many
+(so the loop drains fast while it keeps claiming), and when none is, it parks in the service, which
+answers the moment a task for the tool is committed, or empty when the wait runs out (the polling
+floor). A sweep for one slot is a ClaimNextTask (the same statement with a limit of 1). A slot is
+taken from the claim until the task's handler returns (the report that follows no longer holds it,
+so the next claim goes out while the last batch's reports are in flight). At concurrency capacity
+the loop backs off 0.25 s (sooner if a slot frees). The fleet's own wake event says "a slot freed or
+stop was requested"; it is cleared before each sweep, so one set during the sweep is not lost.
 
 Batching. Each claimed task is worked on its own (below), but what the fleet sends about it is
-coalesced: the confirmations, heartbeats and CompleteTask/FailTask reports of every task in
-flight, of every tool, go out as HeartbeatTasks, CompleteTasks and FailTasks carrying whatever
-is ready, and each item's answer goes back to its own task (a `refused` LEASE_LOST or
-TASK_NOT_FOUND is that task's lost lease, exactly as the single RPC's error would be). A call
-waits at most `report_delay` (5 ms) for others to join it, and leaves at once when its batch is
-full (1,000 items, or about 2 MiB of requests). The confirmations of one claim leave
-together as soon as the last is ready, without that wait: a claimed task never waits for company
-before its handler starts. A batch that fails UNAVAILABLE fails each of its items, and each
-report is tried again on its own policy (so the retries batch again): that is safe, since the
-service answers a report repeated under the same lease the same. A batch the service refuses as
-a whole (INVALID_ARGUMENT or RESOURCE_EXHAUSTED: one item's output too large, say) is sent again
-item by item, so that each report hears its own answer. A batch of one is the single RPC
-(HeartbeatTask, CompleteTask, FailTask), which carries its task's trace context; a larger batch
-belongs to no one task's trace and is sent outside any. ReleaseTask (drain) and PublishTaskEvent
-stay single.
+coalesced: the confirmations, heartbeats and CompleteTask/FailTask reports of every task in flight,
+of every tool, go out as HeartbeatTasks, CompleteTasks and FailTasks carrying whatever is ready, and
+each item's answer goes back to its own task (a `refused` LEASE_LOST or TASK_NOT_FOUND is that
+task's lost lease, exactly as the single RPC's error would be). A batch leaves at the end of the
+event loop's current turn, with every call made in that turn (the handlers of one claim that return
+together report together), and waits for no company beyond it; `report_delay` (0 by default) makes
+it wait that long for more. It leaves at once when it is full (1,000 items, or about 2 MiB of
+requests). A batch that fails UNAVAILABLE fails each of its items, and each report is tried again on
+its own policy (so the retries batch again): that is safe, since the service answers a report
+repeated under the same lease the same. A batch the service refuses as a whole (INVALID_ARGUMENT or
+RESOURCE_EXHAUSTED: one item's output too large, say) is sent again item by item, so that each
+report hears its own answer. A batch of one is the single RPC (HeartbeatTask, CompleteTask,
+FailTask), which carries its task's trace context; a larger batch belongs to no one task's trace and
+is sent outside any. ReleaseTask (drain) and PublishTaskEvent stay single.
 
 Retries. Every call the fleet tries again follows a named policy (`workers_sdk.retry`): REGISTER
 (UpsertTool at start), CLAIM (a failed sweep), CONFIRM, HEARTBEAT and REPORT (CompleteTask,
 FailTask, ReleaseTask); each constant below says its pauses and when it gives up.
 
 Leases. A claim answers the lease's length (`lease`: the tool's `lease_seconds`, else the
-service's GENQ_LEASE_SECONDS; a tool's is never under 10 s), and so does every heartbeat. A
-background task extends the lease every min(`heartbeat_interval`, lease / 3), reckoned from the
-lease the last answer gave: two beats in a row may fail before the lease lapses, and a tool with
+service's GENQ_LEASE_SECONDS; never under the service's GENQ_MIN_LEASE_SECONDS, 10 s by
+default), and so does every heartbeat. The fleet's one beat schedule extends each running
+task's lease every min(`heartbeat_interval`, lease / 3), reckoned from the lease the last answer
+gave: two beats in a row may fail before the lease lapses, and a tool with
 a short lease is beaten often enough without tuning the fleet. When the service says the lease
 is gone (ABORTED, LEASE_LOST, from a heartbeat or an event publish), `ctx.lease_lost` is set and
 an async handler is cancelled (a sync one sees the flag and may stop early); whatever it returns
@@ -69,13 +68,13 @@ mid-handler was confirmed each time, so `max_retries` bounds its runs, and a cla
 on the way is never charged as a run.
 
 Cancel. Cancelling a running task asks its worker to stop: the next heartbeat answers
-`cancel_requested`. The fleet then sets `ctx.cancel_requested` and cancels an async handler's
-asyncio task (a sync handler cannot be interrupted: it checks `ctx.is_cancel_requested` and
-returns early, while the fleet keeps the lease), and reports FailTask with
-FAILURE_KIND_CANCELLED and the cost the handler reported so far (`ctx.report_usage`): billed is
-billed. What the handler returned or raised is dropped; the run ends cancelled whatever is
-reported, and a report answered with a CANCELLED task (a cancel that arrived after the last
-beat) is logged at INFO, not as an error.
+`cancel_requested`. The fleet then sets `ctx.cancel_requested` and cancels an async handler (it runs
+in its task's one asyncio task, which catches the cancel and goes on to report; a sync handler
+cannot be interrupted: it checks `ctx.is_cancel_requested` and returns early, while the fleet keeps
+the lease), and reports FailTask with FAILURE_KIND_CANCELLED and the cost the handler reported so
+far (`ctx.report_usage`): billed is billed. What the handler returned or raised is dropped; the run
+ends cancelled whatever is reported, and a report answered with a CANCELLED task (a cancel that
+arrived after the last beat) is logged at INFO, not as an error.
 
 Outcomes: see `workers_sdk.outcomes`. A handler's unexpected exception fails the task at once
 (`retry_unknown_errors=False`) and stores only the exception's class name: spec B calls it a bug
@@ -102,9 +101,10 @@ import contextlib
 import functools
 import inspect
 import logging
+import math
 import random
 import signal
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from contextvars import copy_context
@@ -176,8 +176,15 @@ REPORT = Policy("report", first=0.2, max_delay=1.0)
 and once the drain began no later than DRAIN_REPORT_SECONDS past its deadline. A fixed number
 of tries would lose a finished task's result to a service restarting, and run the task again."""
 
-DEFAULT_REPORT_DELAY = 0.005
-"""The longest a heartbeat or report waits for others to share its batch (`report_delay`)."""
+DEFAULT_REPORT_DELAY = 0.0
+"""The longest a heartbeat or report waits for others to share its batch (`report_delay`): by
+default none, what is ready by the end of the event loop's turn leaves together."""
+
+DEFAULT_ASYNC_CONCURRENCY = 10
+"""Lanes of a tool with an async handler when `register` is given none (its docstring: why)."""
+
+DEFAULT_SYNC_CONCURRENCY = 1
+"""Lanes (threads) of a tool with a sync handler when `register` is given none."""
 
 MAX_CLAIM_BATCH = 100
 """Most tasks one ClaimTasks takes (the service's limit)."""
@@ -365,13 +372,13 @@ class _Lane:
 
 @dataclass(eq=False)
 class _Run:
-    """One claimed task being worked."""
+    """One claimed task being worked, by one asyncio task (`WorkerFleet._execute`), which also
+    runs an async handler (no task of its own: stopping the handler cancels the run's task,
+    which catches that and goes on to report)."""
 
     lane: _Lane
     ctx: TaskContext
     claim_span: trace.SpanContext
-    abandoned: asyncio.Future[None]
-    """Resolved by the drain when the deadline passes before the handler finishes."""
     lease: float
     """The lease's length in seconds, as the claim (then each heartbeat) gave it."""
     lease_until: float
@@ -379,10 +386,16 @@ class _Run:
     is worth trying (the service decides, on its clock; past this it can only refuse)."""
     task: asyncio.Task[None] | None = None
     """The asyncio task working it (`WorkerFleet._execute`)."""
-    handler: asyncio.Task[Output] | None = None
-    """The asyncio task running the handler, once the claim is confirmed."""
+    handling: bool = False
+    """Its handler is running: a lost lease, a cancel request or the drain stops it."""
+    interrupted: bool = False
+    """The fleet cancelled `task` to stop the handler (once at most)."""
+    abandoned: bool = False
+    """The drain's deadline passed before the handler returned: the task is handed back."""
+    beat_due: float = math.inf
+    """Loop time of its next heartbeat, while it waits in the fleet's beat schedule."""
     heartbeat: asyncio.Task[None] | None = None
-    """The asyncio task beating its lease, from the second beat on (`_start_heartbeat`)."""
+    """The beat in flight (`WorkerFleet._heartbeat`), from the second beat on."""
 
 
 @dataclass(eq=False)
@@ -393,8 +406,9 @@ class _Item:
     future: asyncio.Future[Any]
     deadline: float
     """Loop time by which its answer is due (the call's timeout, from when it was made)."""
-    context: otel_context.Context
-    """The caller's trace context, carried when the item is sent on its own."""
+    context: otel_context.Context | None
+    """The caller's trace context, carried when the item is sent on its own (None when the
+    fleet traces nothing)."""
 
 
 class _Batcher:
@@ -415,14 +429,15 @@ class _Batcher:
         self._answer = answer
         self._pending: list[_Item] = []
         self._bytes = 0
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.Handle | None = None
         self._sending: set[asyncio.Task[None]] = set()
 
     async def call(self, request: Message, *, timeout: float | None = None) -> Any:
         """Sends `request` in the next batch and returns its own answer."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (timeout or self._fleet.client.timeout)
-        item = _Item(request, loop.create_future(), deadline, otel_context.get_current())
+        context = otel_context.get_current() if self._fleet._traced else None
+        item = _Item(request, loop.create_future(), deadline, context)
         size = request.ByteSize()
         if self._pending and self._bytes + size > MAX_BATCH_BYTES:
             self.flush()
@@ -431,7 +446,11 @@ class _Batcher:
         if len(self._pending) >= MAX_REPORT_BATCH or self._bytes >= MAX_BATCH_BYTES:
             self.flush()
         elif self._timer is None:
-            self._timer = loop.call_later(self._fleet.report_delay, self.flush)
+            delay = self._fleet.report_delay
+            # No delay: what is ready by the end of this loop turn leaves together, at once.
+            self._timer = (
+                loop.call_soon(self.flush) if delay <= 0 else loop.call_later(delay, self.flush)
+            )
         return await item.future
 
     def flush(self) -> None:
@@ -471,13 +490,16 @@ class _Batcher:
         loop = asyncio.get_running_loop()
         request = self._batch_request(tasks=[item.request for item in items])
         timeout = max(0.001, min(item.deadline for item in items) - loop.time())
-        # A batch belongs to no one task's trace: sent outside any (the flush runs in the
-        # context of whichever call started the batch).
-        token = otel_context.attach(otel_context.Context())
-        try:
+        if self._fleet._traced:
+            # A batch belongs to no one task's trace: sent outside any (the flush runs in the
+            # context of whichever call started the batch).
+            token = otel_context.attach(otel_context.Context())
+            try:
+                response = await self._fleet.client.call(self.batch, request, timeout=timeout)
+            finally:
+                otel_context.detach(token)
+        else:
             response = await self._fleet.client.call(self.batch, request, timeout=timeout)
-        finally:
-            otel_context.detach(token)
         results = response.results
         if len(results) != len(items):
             raise GenqError(
@@ -495,7 +517,7 @@ class _Batcher:
         if item.future.done():
             return
         remaining = max(0.001, item.deadline - asyncio.get_running_loop().time())
-        token = otel_context.attach(item.context)
+        token = None if item.context is None else otel_context.attach(item.context)
         try:
             response = await self._fleet.client.call(self.single, item.request, timeout=remaining)
         except Exception as error:
@@ -503,7 +525,8 @@ class _Batcher:
         else:
             _resolve(item.future, value=response)
         finally:
-            otel_context.detach(token)
+            if token is not None:
+                otel_context.detach(token)
 
 
 class WorkerFleet:
@@ -517,11 +540,12 @@ class WorkerFleet:
     - `heartbeat_interval` (60 s): the longest time between two extensions of a running task's
       lease. The beat follows the lease the service grants: every min(`heartbeat_interval`,
       lease / 3), from the lease the claim and then each heartbeat answered (the service's
-      GENQ_LEASE_SECONDS, 120, or the tool's `lease_seconds`, at least 10).
+      GENQ_LEASE_SECONDS, 120, or the tool's `lease_seconds`; never under the service's
+      GENQ_MIN_LEASE_SECONDS, 10 by default).
     - `drain_timeout` (30 s): on stop, how long tasks in flight get to finish.
-    - `report_delay` (5 ms): the longest a heartbeat or a report (CompleteTask, FailTask) waits
-      for others to share its batch RPC; a full batch leaves at once. 0 batches only what is
-      ready at the same moment.
+    - `report_delay` (0): how long a heartbeat or a report (CompleteTask, FailTask) waits for
+      others to share its batch RPC; a full batch leaves at once. 0 sends, at the end of the
+      event loop's turn, what is ready by then (module docstring, "Batching").
     - `retry_unknown_errors` (False): whether a handler's unexpected exception requeues the task
       (uses an attempt) instead of failing it at once. Either way only the class name is stored.
     - `tracer_provider`: where the claim/process/complete spans go; None means OpenTelemetry's
@@ -584,6 +608,12 @@ class WorkerFleet:
         self._stopping = asyncio.Event()
         self._drain_deadline: float | None = None
         """Loop time by which the drain releases what is unfinished; set once it begins."""
+        self._due: set[_Run] = set()
+        """Runs whose handler runs and whose next beat is not sent yet (`_beat_schedule`)."""
+        self._beat_at = math.inf
+        """Loop time at which the beat schedule next looks at `_due`."""
+        self._beat_wake = asyncio.Event()
+        """Set when a run's beat falls due before `_beat_at`."""
         self.ready = asyncio.Event()
         """Set once every tool is registered and its poll loop runs."""
 
@@ -595,7 +625,7 @@ class WorkerFleet:
 
     # -- registration -------------------------------------------------------------------------
 
-    def register(self, name: str, handler: Handler, *, concurrency: int = 1) -> None:
+    def register(self, name: str, handler: Handler, *, concurrency: int | None = None) -> None:
         """Hosts the tool `name`; its tasks run at most `concurrency` at a time.
 
         An `async def` handler runs on the fleet's event loop and must not block it (heartbeats
@@ -603,14 +633,27 @@ class WorkerFleet:
         so a drain that gives up on it hands its task back and drops its result, but the
         process exits only once the thread returns. Either returns the task's output (a
         mapping, or None) or raises an outcome (`workers_sdk.outcomes`).
+
+        `concurrency` left out: DEFAULT_ASYNC_CONCURRENCY (10) lanes for an async handler,
+        DEFAULT_SYNC_CONCURRENCY (1) for a sync one. An async handler mostly waits on a
+        provider: one lane would leave the worker idle through every claim, confirm and report
+        round trip (on the bench's 2-core machine a worker drained about 200 no-op tasks/s
+        with 1 lane, 1,300 to 1,450 with 10, and 5,300 with 100, bench/drain.py), while 10
+        keeps a worker's calls to its provider, and the tasks its crash would strand (each
+        then charged a retry), few: raise it for a provider that takes more at once. A sync
+        handler runs in a thread of its own per lane: code not written for threads stays safe,
+        and Python code that computes gains nothing from more threads (the GIL); raise it for
+        a handler that blocks on I/O and is thread-safe.
         """
         if self._loop is not None:
             raise RuntimeError("register tools before run()")
         if name in self._lanes:
             raise ValueError(f"tool {name!r} is already registered")
+        runs_in_thread = not _is_async(handler)
+        if concurrency is None:
+            concurrency = DEFAULT_SYNC_CONCURRENCY if runs_in_thread else DEFAULT_ASYNC_CONCURRENCY
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
-        runs_in_thread = not _is_async(handler)
         call: AsyncHandler
         if runs_in_thread:
             sync = cast(SyncHandler, handler)
@@ -619,7 +662,7 @@ class WorkerFleet:
             call = cast(AsyncHandler, handler)
         self._lanes[name] = _Lane(name, call, concurrency, runs_in_thread)
 
-    def tool(self, name: str, *, concurrency: int = 1) -> Callable[[Handler], Handler]:
+    def tool(self, name: str, *, concurrency: int | None = None) -> Callable[[Handler], Handler]:
         """Decorator form of `register`."""
 
         def decorate(handler: Handler) -> Handler:
@@ -664,6 +707,7 @@ class WorkerFleet:
             provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
         )
         polls: list[asyncio.Task[None]] = []
+        beats = asyncio.create_task(self._beat_schedule(), name="genq heartbeats")
         try:
             await self._register_tools()
             if not self._stopping.is_set():
@@ -678,7 +722,7 @@ class WorkerFleet:
         finally:
             # Only finds work left when run() itself was cancelled: there is no drain then, and
             # the leases lapse (use stop() or a signal to drain).
-            for task in [*polls, *self._working()]:
+            for task in [*polls, *self._working(), beats]:
                 task.cancel()
             for batcher in (self._beats, *self._reports.values()):
                 batcher.close()
@@ -760,14 +804,17 @@ class WorkerFleet:
         working = self._working()
         if working:
             await asyncio.wait(working, timeout=max(0.0, deadline - loop.time()))
-        unfinished = [run for lane in self._lanes.values() for run in lane.runs]
         if running := sum(len(lane.running) for lane in self._lanes.values()):  # not reporting
             log.warning("drain timeout: releasing %d unfinished tasks", running)
-        if unfinished:
-            for run in unfinished:
-                if not run.abandoned.done():
-                    run.abandoned.set_result(None)
-            await asyncio.wait(self._working())
+        for lane in self._lanes.values():
+            for run in lane.runs:
+                if run.handling:
+                    run.abandoned = True
+                    self._interrupt(run)
+        if working := self._working():
+            # Each run reports within DRAIN_REPORT_SECONDS; a handler that ignores its
+            # cancellation is not waited for (run() cancels it again).
+            await asyncio.wait(working, timeout=DRAIN_REPORT_SECONDS + 1.0)
 
     def _working(self) -> set[asyncio.Task[None]]:
         return {run.task for lane in self._lanes.values() for run in lane.runs if run.task}
@@ -800,19 +847,14 @@ class WorkerFleet:
         limit = min(lane.free, MAX_CLAIM_BATCH)
         self._claimed(lane, *await self._claim(lane, limit, self._park_seconds()))
 
-    def _span(
-        self, name: str, *, context: otel_context.Context | None = None, **options: Any
-    ) -> AbstractContextManager[trace.Span]:
-        """`name` as the current span (under `context`'s span when given). With no tracer
-        provider set up when the fleet started (OpenTelemetry's no-op default), a stand-in that
-        does what the no-op span does (makes `context`'s span, the enqueuer's, current) for a
-        fraction of the CPU: the API's no-op spans cost about a seventh of the fleet's CPU per
-        task."""
+    def _span(self, name: str) -> AbstractContextManager[trace.Span]:
+        """`name` as the current span. With no tracer provider set up when the fleet started
+        (OpenTelemetry's no-op default), nothing at all: no span, no context attached (the
+        API's no-op spans and context switches cost about a seventh of the fleet's CPU per
+        task)."""
         if self._traced:
-            return self._tracer.start_as_current_span(name, context=context, **options)
-        if context is None:
-            return _UNTRACED
-        return _current(trace.get_current_span(context))
+            return self._tracer.start_as_current_span(name)
+        return _UNTRACED
 
     def _park_seconds(self) -> float:
         return min(self.poll_interval * random.uniform(0.75, 1.25), MAX_CLAIM_WAIT_SECONDS)
@@ -855,7 +897,7 @@ class WorkerFleet:
         lease_until = loop.time() + lease
         for item in claimed:
             ctx = TaskContext(self.client, lane.name, item.task, item.lease_token, loop)
-            run = _Run(lane, ctx, claim_span, loop.create_future(), lease, lease_until)
+            run = _Run(lane, ctx, claim_span, lease, lease_until)
             lane.running.add(run)
             lane.runs.add(run)
             run.task = asyncio.create_task(
@@ -879,10 +921,18 @@ class WorkerFleet:
 
     async def _execute(self, run: _Run) -> None:
         """Works one claimed task: confirm, heartbeat, handler, then complete, fail, drop or
-        release."""
+        release. With nothing traced, no span: a task enqueued in a trace has the enqueuer's
+        span made current (in this asyncio task's own context, which ends with it: nothing to
+        detach), so that a handler passing its context on hands that trace on, as
+        OpenTelemetry's no-op spans would; a task without one costs no OpenTelemetry call."""
         task = run.ctx.task
+        if not self._traced:
+            if task.w3c_traceparent:
+                otel_context.attach(_parent_context(task.w3c_traceparent))
+            await self._work(run, trace.INVALID_SPAN)
+            return
         links = [trace.Link(run.claim_span)] if run.claim_span.is_valid else []
-        with self._span(
+        with self._tracer.start_as_current_span(
             f"process {run.lane.name}",
             context=_parent_context(task.w3c_traceparent),
             kind=trace.SpanKind.CONSUMER,
@@ -890,49 +940,72 @@ class WorkerFleet:
             attributes={"genq.task_id": task.id, "genq.retry_count": task.retry_count},
             record_exception=False,  # an exception's message may quote the user's prompt
         ) as span:
-            confirmed = await self._confirm(run)
-            span.set_attribute("genq.confirmed", confirmed)
-            if not confirmed:
-                return
-            if self._past_drain_deadline():
-                # The drain's deadline passed while the claim came in (a claim parked at the
-                # stop) or was confirmed: hand it back unrun rather than run it and release it
-                # midway, for another worker to run again.
+            await self._work(run, span)
+
+    async def _work(self, run: _Run, span: trace.Span) -> None:
+        ctx = run.ctx
+        confirmed = await self._confirm(run)
+        span.set_attribute("genq.confirmed", confirmed)
+        if not confirmed:
+            return
+        if self._past_drain_deadline():
+            # The drain's deadline passed while the claim came in (a claim parked at the
+            # stop) or was confirmed: hand it back unrun rather than run it and release it
+            # midway, for another worker to run again.
+            await self._release(run)
+            return
+        if ctx.is_cancel_requested:
+            # Cancelled before it started: nothing ran, nothing to bill.
+            span.set_attribute("genq.cancelled", True)
+            await self._report(run, "cancel", _cancel_request(ctx))
+            return
+        # The confirmation was the first beat; the next is due a beat interval from now, in
+        # the fleet's one beat schedule (a run shorter than a beat never sends another).
+        self._schedule_beat(run, self._beat_interval(run))
+        run.handling = True
+        if not run.lane.runs_in_thread:  # a thread cannot be interrupted: it sees the flag
+            ctx._stop_handler = functools.partial(self._interrupt, run)
+        output: Output = None
+        error: BaseException | None = None
+        try:
+            output = await run.lane.call(ctx.task, ctx)
+        except asyncio.CancelledError as cancelled:
+            current = asyncio.current_task()
+            if current is None or current.cancelling() > int(run.interrupted):
+                raise  # cancelled from outside (run() itself): no report
+            error = cancelled
+        except Exception as raised:
+            error = raised
+        finally:
+            # The heartbeat stops before the report: a beat racing a completion could only
+            # misreport a lost lease. The lease has at least a beat's worth left.
+            run.handling = False
+            ctx._stop_handler = None
+            self._due.discard(run)
+            if run.heartbeat is not None:
+                run.heartbeat.cancel()
+            if run.interrupted:
+                # The fleet's own cancel is spent (caught above, or swallowed by the handler):
+                # the report that follows must not be cancelled by it.
+                current = asyncio.current_task()
+                if current is not None:
+                    current.uncancel()
+            self._free_slot(run)  # the report is no handler's work: the lane may claim
+        try:
+            if run.abandoned:
                 await self._release(run)
-                return
-            if run.ctx.is_cancel_requested:
-                # Cancelled before it started: nothing ran, nothing to bill.
-                span.set_attribute("genq.cancelled", True)
-                await self._report(run, "cancel", _cancel_request(run.ctx))
-                return
-            # The confirmation was the first beat; the next is a timer until it is due, so a run
-            # shorter than a beat never starts a heartbeat task.
-            loop = asyncio.get_running_loop()
-            beat = loop.call_later(self._beat_interval(run), self._start_heartbeat, run)
-            handler = run.handler = asyncio.create_task(self._handle(run))
-            if not run.lane.runs_in_thread:  # a thread cannot be interrupted: it sees the flag
-                run.ctx._stop_handler = handler.cancel
-            try:
-                either: list[asyncio.Future[Any]] = [handler, run.abandoned]
-                await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-                finished = handler.done()
-            finally:
-                # The heartbeat stops before the report: a beat racing a completion could only
-                # misreport a lost lease. The lease has at least a beat's worth left.
-                beat.cancel()
-                if run.heartbeat is not None:
-                    run.heartbeat.cancel()
-                if not handler.done():
-                    handler.cancel()
-                self._free_slot(run)  # the report is no handler's work: the lane may claim
-            try:
-                if finished:
-                    await self._settle(run, handler, span)
-                else:
-                    handler.add_done_callback(_forget)
-                    await self._release(run)
-            except Exception:
-                log.exception("task %s: reporting the outcome failed", task.id)
+            else:
+                await self._settle(run, output, error, span)
+        except Exception:
+            log.exception("task %s: reporting the outcome failed", ctx.task.id)
+
+    def _interrupt(self, run: _Run) -> None:
+        """Stops the run's handler (lost lease, cancel request, drain): cancels the run's
+        task, which catches it where the handler is awaited. Once at most, and only while the
+        handler runs (a sync handler's thread goes on; its result is dropped)."""
+        if run.handling and not run.interrupted and run.task is not None:
+            run.interrupted = True
+            run.task.cancel()
 
     async def _confirm(self, run: _Run) -> bool:
         """The HeartbeatTask that confirms a claim before its handler runs (module docstring,
@@ -982,9 +1055,6 @@ class WorkerFleet:
             log.info("task %s: hand-back not delivered either (%s)", ctx.task.id, error.code)
         return False
 
-    async def _handle(self, run: _Run) -> Output:
-        return await run.lane.call(run.ctx.task, run.ctx)
-
     async def _in_thread(
         self, handler: SyncHandler, task: task_pb2.Task, ctx: TaskContext
     ) -> Output:
@@ -992,33 +1062,64 @@ class WorkerFleet:
         context = copy_context()  # the thread sees the process span as current
         return await loop.run_in_executor(self._executor, context.run, handler, task, ctx)
 
-    def _start_heartbeat(self, run: _Run) -> None:
-        run.heartbeat = asyncio.create_task(self._heartbeat(run))
+    def _schedule_beat(self, run: _Run, after: float) -> None:
+        """Puts the run's next beat `after` seconds from now in the fleet's beat schedule."""
+        run.beat_due = asyncio.get_running_loop().time() + after
+        self._due.add(run)
+        if run.beat_due < self._beat_at:
+            self._beat_wake.set()
+
+    async def _beat_schedule(self) -> None:
+        """The fleet's one heartbeat timer: sends each running task's beat when it falls due
+        (`_heartbeat`, a task for the beat in flight only), so that a run shorter than a beat
+        costs no timer and no task of its own."""
+        loop = asyncio.get_running_loop()
+        while True:
+            self._beat_wake.clear()
+            now = loop.time()
+            due: list[_Run] = []
+            later = math.inf
+            for run in self._due:
+                if run.beat_due <= now:
+                    due.append(run)
+                elif run.beat_due < later:
+                    later = run.beat_due
+            for run in due:
+                self._due.discard(run)
+                run.heartbeat = asyncio.create_task(self._heartbeat(run))
+            self._beat_at = later
+            if later == math.inf:
+                await self._beat_wake.wait()
+            else:
+                await _wait(self._beat_wake, later - now)
 
     async def _heartbeat(self, run: _Run) -> None:
-        """Beats now, then every `_beat_interval`, until cancelled or the lease is gone."""
+        """One beat (tried again as HEARTBEAT says until it answers or the lease is gone), then
+        the next one put in the schedule."""
         ctx = run.ctx
         request = task_pb2.HeartbeatTaskRequest(task_id=ctx.task.id, lease_token=ctx.lease_token)
 
         def failed(error: Exception, tries: int, pause: float) -> None:
             log.warning("task %s: heartbeat failed: %s", ctx.task.id, error)
 
-        while True:
-            interval = self._beat_interval(run)
-            # A beat that hangs must not outlive the next one.
-            timeout = min(self.client.timeout, max(interval, 1.0))
-            try:
-                response = await retry(
-                    HEARTBEAT.capped(interval),
-                    functools.partial(self._beats.call, request, timeout=timeout),
-                    retry_on=_lease_held,
-                    on_retry=failed,
-                )
-            except GenqError as error:  # the lease is gone: every other answer is tried again
-                ctx._lose_lease(f"HeartbeatTask: {error.reason}")
-                return
-            self._beaten(run, response)
-            await asyncio.sleep(self._beat_interval(run))
+        interval = self._beat_interval(run)
+        # A beat that hangs must not outlive the next one.
+        timeout = min(self.client.timeout, max(interval, 1.0))
+        try:
+            response = await retry(
+                HEARTBEAT.capped(interval),
+                functools.partial(self._beats.call, request, timeout=timeout),
+                retry_on=_lease_held,
+                on_retry=failed,
+            )
+        except GenqError as error:  # the lease is gone: every other answer is tried again
+            ctx._lose_lease(f"HeartbeatTask: {error.reason}")
+            return
+        finally:
+            run.heartbeat = None
+        self._beaten(run, response)
+        if run.handling:
+            self._schedule_beat(run, self._beat_interval(run))
 
     def _beat_interval(self, run: _Run) -> float:
         """min(heartbeat_interval, lease / 3): two beats may fail before the lease lapses."""
@@ -1032,16 +1133,17 @@ class WorkerFleet:
             return
         # A thread cannot be interrupted: a sync handler sees ctx.cancel_requested and returns,
         # and the lease is kept until it does.
-        if run.handler is not None and not run.lane.runs_in_thread:
-            run.handler.cancel()
+        if not run.lane.runs_in_thread:
+            self._interrupt(run)
 
-    async def _settle(self, run: _Run, handler: asyncio.Task[Output], span: trace.Span) -> None:
+    async def _settle(
+        self, run: _Run, output: Output, error: BaseException | None, span: trace.Span
+    ) -> None:
         ctx = run.ctx
         if ctx.is_lease_lost:
             log.warning("task %s: lease lost while running; result dropped", ctx.task.id)
             await self._report_cost(run)
             return
-        error = asyncio.CancelledError() if handler.cancelled() else handler.exception()
         if ctx.is_cancel_requested:
             # Whatever the handler made of the cancel (returned, raised, or was cancelled), the
             # run ends cancelled; what it cost so far is recorded.
@@ -1049,7 +1151,7 @@ class WorkerFleet:
             await self._report(run, "cancel", _cancel_request(ctx))
             return
         if error is None:
-            await self._complete(run, handler.result(), span)
+            await self._complete(run, output, span)
         elif isinstance(error, outcomes.TaskOutcome):
             span.set_status(trace.StatusCode.ERROR, type(error).__name__)
             request = _fail_request(ctx, error.stored_error(), error.failure)
@@ -1256,16 +1358,7 @@ def _unavailable(error: Exception) -> bool:
 
 
 _UNTRACED = contextlib.nullcontext(trace.INVALID_SPAN)
-"""What `WorkerFleet._span` stands in with when nothing traces and no parent is given."""
-
-
-@contextlib.contextmanager
-def _current(span: trace.Span) -> Iterator[trace.Span]:
-    token = otel_context.attach(trace.set_span_in_context(span))
-    try:
-        yield span
-    finally:
-        otel_context.detach(token)
+"""What `WorkerFleet._span` stands in with when nothing traces."""
 
 
 def _parent_context(traceparent: str) -> otel_context.Context:
@@ -1290,12 +1383,6 @@ def _is_async(handler: Handler) -> bool:
     return inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
         getattr(handler, "__call__", None)  # noqa: B004 - an object with `async def __call__`
     )
-
-
-def _forget(handler: asyncio.Task[Output]) -> None:
-    """Reads an abandoned handler's end, so asyncio does not log it as never retrieved."""
-    if not handler.cancelled():
-        handler.exception()
 
 
 async def _wait(event: asyncio.Event, seconds: float) -> None:

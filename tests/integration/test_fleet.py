@@ -22,6 +22,7 @@ import grpc
 import psycopg
 import pytest
 from google.protobuf import duration_pb2
+from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -700,7 +701,7 @@ def run_scripted(
         client.log.append("handler")
         return {}
 
-    fleet.register("scripted", handler or default)
+    fleet.register("scripted", handler or default, concurrency=1)  # ClaimNextTask
 
     async def main() -> None:
         work = asyncio.create_task(fleet.run(handle_signals=False))
@@ -1119,6 +1120,7 @@ class FakeFleet:
     def __init__(self, client: Any, report_delay: float) -> None:
         self.client = client
         self.report_delay = report_delay
+        self._traced = False
 
 
 class BatchClient:
@@ -1224,6 +1226,7 @@ class BatchScriptedClient(ScriptedClient):
     async def call(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
         if method == "ClaimTasks":
             self.log.append(method)
+            self.requests.append(request)
             if not self.queued:
                 await asyncio.sleep(0.02)
                 return task_pb2.ClaimTasksResponse(idle_reason=task_pb2.IDLE_REASON_EMPTY)
@@ -1315,7 +1318,7 @@ def test_scripted_a_claim_that_comes_in_after_the_drain_deadline_is_handed_back_
         client.log.append("handler")
         return {}
 
-    fleet.register("scripted", handler)
+    fleet.register("scripted", handler, concurrency=1)
 
     async def main() -> None:
         work = asyncio.create_task(fleet.run(handle_signals=False))
@@ -1428,3 +1431,99 @@ def test_a_claim_of_large_inputs_is_taken_whole(
     # bytes, not by the 700 KB inputs.
     reports = [items for method, items in client.calls if method.startswith("CompleteTask")]
     assert sum(reports) == 8, reports
+
+
+# -- the pipelined worker: lanes by default, one asyncio task per run, nothing traced -----------
+
+
+def run_batch_scripted(
+    client: BatchScriptedClient, handler: Any, until: Callable[[], bool], **register: Any
+) -> None:
+    """Runs a fleet hosting "batched" over `client` until `until()`, then drains it."""
+    fleet = WorkerFleet(
+        cast(GenqClient, client),
+        poll_interval=0.05,
+        drain_timeout=1,
+        tracer_provider=trace.NoOpTracerProvider(),
+    )
+    fleet.register("batched", handler, **register)
+
+    async def main() -> None:
+        work = asyncio.create_task(fleet.run(handle_signals=False))
+        deadline = time.monotonic() + 10
+        while not until():
+            assert time.monotonic() < deadline, client.log
+            assert not work.done(), work
+            await asyncio.sleep(0.01)
+        fleet.stop()
+        await asyncio.wait_for(work, 10)
+
+    asyncio.run(main())
+
+
+def completions(client: BatchScriptedClient) -> int:
+    batched = sum(items for method, items in client.batches if method == "CompleteTasks")
+    return batched + client.log.count("CompleteTask")
+
+
+def completed_batch(request: Any) -> Any:
+    return task_pb2.CompleteTasksResponse(
+        results=[
+            task_pb2.ReportResult(
+                task_id=item.task_id,
+                task=task_pb2.Task(id=item.task_id, status=task_pb2.TASK_STATUS_COMPLETED),
+            )
+            for item in request.tasks
+        ]
+    )
+
+
+def test_scripted_an_async_handler_gets_ten_lanes_by_default_and_runs_in_its_runs_task() -> None:
+    """Registered without `concurrency`, an async handler's tool claims 10 at a time; each
+    handler runs in its run's own asyncio task (none of its own), and the 12 tasks complete."""
+    client = BatchScriptedClient(12, lambda n, request: completed_batch(request))
+    ran_in: dict[str, str] = {}
+
+    async def handler(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
+        current = asyncio.current_task()
+        assert current is not None
+        ran_in[task.id] = current.get_name()
+        return {}
+
+    run_batch_scripted(client, handler, lambda: completions(client) == 12)
+    assert fleet_module.DEFAULT_ASYNC_CONCURRENCY == 10
+    claims = [r.limit for r in client.requests if isinstance(r, task_pb2.ClaimTasksRequest)]
+    assert claims[0] == 10, claims
+    assert ran_in == {f"task-{n}": f"genq batched task-{n}" for n in range(12)}
+
+
+def test_scripted_a_sync_handler_gets_one_lane_by_default() -> None:
+    client = BatchScriptedClient(0, lambda n, request: completed_batch(request))
+
+    def handler(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
+        return {}
+
+    run_batch_scripted(client, handler, lambda: "ClaimNextTask" in client.log)
+    assert "ClaimTasks" not in client.log, client.log  # one lane: ClaimNextTask
+
+
+def test_scripted_with_nothing_traced_a_task_costs_no_context_switch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No tracer provider: working tasks enqueued without a trace attaches no OpenTelemetry
+    context at all (no span, no context per task or per batch)."""
+    attached: list[Any] = []
+    attach = otel_context.attach
+
+    def counting_attach(context: Any) -> Any:
+        attached.append(context)
+        return attach(context)
+
+    monkeypatch.setattr(otel_context, "attach", counting_attach)
+    client = BatchScriptedClient(30, lambda n, request: completed_batch(request))
+
+    async def handler(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
+        return {}
+
+    run_batch_scripted(client, handler, lambda: completions(client) == 30, concurrency=4)
+    assert attached == []
