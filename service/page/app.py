@@ -4,9 +4,17 @@
     GET /status.json   the GetStatus answer as JSON (proto field names, every field, defaults too)
     GET /metrics       Prometheus text format (service/api/metrics.py)
     GET /healthz       200 while Postgres answers within HEALTHZ_TIMEOUT_SECONDS, else 503
+    GET /tasks/<id>    one task: its status, attempts, events, input and output, why it waits
+    POST /actions/...  the page's buttons, each one RPC (service/page/actions.py)
 
-HEAD works wherever GET does; any other method is 405 (changes go through gRPC and the CLI), any
-other path 404.
+HEAD works wherever GET does; any other method on the read paths is 405, any other path 404.
+
+The buttons are shown to a caller whose roles may call the RPC behind them (an operator; a
+gateway cancels and retries tasks), as auth.py decides for gRPC: a viewer sees none. Each runs
+through the RPC's own handler, so it keeps the RPC's rules and writes its audit row. Each form
+carries a CSRF token (service/page/actions.py): a POST without it changes nothing and answers
+403. Switching off, setting the cap, cancelling and retrying ask to confirm first, on a page of
+their own; every action ends with a redirect to a page (POST-redirect-GET); nothing needs script.
 
 Guarded like the gRPC port (service/api/auth.py): with GENQ_TLS_CERT_FILE it speaks TLS only (and
 asks for a client certificate under GENQ_TLS_CLIENT_CA_FILE). Under GENQ_AUTH=required every
@@ -29,11 +37,13 @@ import json
 import logging
 import shlex
 import ssl
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from http import HTTPStatus
-from urllib.parse import urlsplit
+from typing import Any
+from urllib.parse import quote, urlsplit
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import jinja2
@@ -42,12 +52,16 @@ from google.protobuf import json_format
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from generation.task.v1 import task_pb2
-from service.api.auth import RULES, Caller, Guard, anonymous, bearer
+from service.api.auth import RULES, Caller, anonymous, bearer
 from service.api.errors import ServiceError, Unauthenticated
+from service.api.handlers import Handlers
 from service.api.metrics import Metrics
 from service.api.rpcs import BINDINGS, STATEMENTS
+from service.api.signals import Signals
 from service.database import Database
 from service.leader.waits import cap_in_force, over_cap
+from service.page import actions
+from service.page.task import CANCELLABLE, RETRYABLE, TaskView, read_task
 from service.settings import Settings
 from workers_sdk.money import money
 
@@ -61,10 +75,11 @@ HEALTHZ_TIMEOUT_SECONDS = 0.8
 # The largest body read: a login form (every other body is refused unread).
 MAX_LOGIN_BYTES = 4096
 READ_PATHS = ("/", "/status.json", "/metrics", "/healthz")
-GUARDED_PATHS = frozenset({"/", "/status.json", "/metrics"})
+GUARDED_PATHS = frozenset({"/", "/status.json", "/metrics", "/tasks"})
+GUARDED_PREFIXES = ("/tasks/", "/actions/")
 
-# The page needs nothing but its own inline style and inline SVG.
-PAGE_POLICY = "default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'; form-action 'none'"
+# The page needs nothing but its own inline style and inline SVG; its forms post to itself.
+PAGE_POLICY = "default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'; form-action 'self'"
 LOGIN_POLICY = "default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'; form-action 'self'"
 COOKIE = "genq_token"
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -169,13 +184,22 @@ class StatusServer:
         self.database = database
         self.settings = settings
         self.metrics = metrics
-        self.guard = Guard(database, settings)
+        # The actions run through the RPCs' own handler; its wakes reach every process through
+        # Postgres NOTIFY (and Redis when configured), as another replica's would.
+        conninfo = database.pool.conninfo
+        self.signals = Signals(settings, conninfo if isinstance(conninfo, str) else None)
+        self.handlers = Handlers(database, self.signals, settings, metrics)
+        self.guard = self.handlers.guard
+        self.runner = actions.Runner(self.handlers)
         self.hosts = allowed_hosts(settings)
         self.app = web.Application(middlewares=[self._guarded], client_max_size=MAX_LOGIN_BYTES)
         self.app.router.add_get("/", self._page)  # and HEAD, as every add_get
         self.app.router.add_get("/status.json", self._status_json)
         self.app.router.add_get("/metrics", self._metrics)
         self.app.router.add_get("/healthz", self._healthz)
+        self.app.router.add_get("/tasks", self._find_task)
+        self.app.router.add_get("/tasks/{task_id}", self._task_page)
+        self.app.router.add_post("/actions/{name}", self._act)
         self.app.router.add_post("/login", self._log_in)
         self.app.router.add_post("/logout", self._log_out)
         self.app.on_response_prepare.append(_common_headers)
@@ -201,6 +225,7 @@ class StatusServer:
 
     async def close(self) -> None:
         await self._runner.cleanup()
+        await self.signals.close()
 
     @web.middleware
     async def _guarded(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -213,21 +238,25 @@ class StatusServer:
             )
         try:
             routed = request.match_info.http_exception is None
-            if routed and path in GUARDED_PATHS and self.settings.auth_required:
-                refusal = await self._refusal(request, page=path == "/")
+            guarded = path in GUARDED_PATHS or path.startswith(GUARDED_PREFIXES)
+            if routed and guarded and self.settings.auth_required:
+                page = path not in ("/status.json", "/metrics")
+                refusal = await self._refusal(request, page=page)
                 if refusal is not None:
                     return refusal
             return await handler(request)
         except web.HTTPMethodNotAllowed as error:
             allowed = ", ".join(sorted(error.allowed_methods))
             message = (
-                "read-only: change settings through gRPC or the genq CLI"
+                "read-only: the page's buttons post to /actions/..., or use gRPC and the genq CLI"
                 if path in READ_PATHS
                 else f"{path} takes {allowed} only (the page's form)"
             )
             return _text(HTTPStatus.METHOD_NOT_ALLOWED, message, {"Allow": allowed})
         except web.HTTPNotFound:
-            return _text(HTTPStatus.NOT_FOUND, "not found: try / /status.json /metrics /healthz")
+            return _text(
+                HTTPStatus.NOT_FOUND, "not found: try / /status.json /metrics /healthz /tasks/<id>"
+            )
         except web.HTTPException:
             raise  # aiohttp's own answers (a body too large, say): already plain text
         except ServiceError as error:
@@ -289,11 +318,56 @@ class StatusServer:
         )
         return response
 
+    def _token(self, request: web.Request) -> str | None:
+        """The token the person sent: an Authorization header, else the login cookie."""
+        if "Authorization" in request.headers:
+            try:
+                return bearer(request.headers["Authorization"])
+            except Unauthenticated:
+                return None
+        return request.cookies.get(COOKIE)
+
+    async def _person(self, request: web.Request) -> tuple[Caller, str | None]:
+        """Who reads the page and the token they sent. Under GENQ_AUTH=required the middleware
+        identified them; else a token sent is honoured when valid, and without one the caller is
+        anonymous (every role, as on the gRPC port)."""
+        token = self._token(request)
+        caller: Caller | None = request.get("caller")
+        if caller is None:
+            caller = anonymous(_certificate_actor(request))
+            if token is not None:
+                try:
+                    caller = await self.guard.identify(token)
+                except Unauthenticated:
+                    token = None
+        return caller, token
+
+    def _session(self, request: web.Request) -> tuple[str, bool]:
+        """The browser's session (the CSRF key), and whether it is new (to be set)."""
+        session = request.cookies.get(actions.SESSION_COOKIE, "")
+        if 32 <= len(session) <= 128:
+            return session, False
+        return actions.new_session(), True
+
+    def _with_session(self, response: web.Response, session: str, fresh: bool) -> web.Response:
+        if fresh:
+            response.set_cookie(
+                actions.SESSION_COOKIE,
+                session,
+                path="/",
+                httponly=True,
+                samesite="Strict",
+                secure=self.settings.tls,
+            )
+        return response
+
     async def _page(self, request: web.Request) -> web.Response:
         # The page shows the stale tasks and the audit log only to a caller who may read them
         # over gRPC too (their RPCs' roles; a token restricted to tools reads neither: both
         # span every tool).
-        caller: Caller = request.get("caller") or anonymous()
+        caller, token = await self._person(request)
+        session, fresh = self._session(request)
+        controls = Controls(caller, actions.form_token(session, token))
         response = await read_status(self.database, self.settings)
         stale: Sequence[task_pb2.StaleTask] = ()
         audit: Sequence[task_pb2.AuditEntry] | None = None  # None: no such section
@@ -302,8 +376,95 @@ class StatusServer:
         if _may_read(caller, "ListAuditEntries"):
             audit = await read_audit(self.database, self.settings, AUDIT_SHOWN)
         now = response.status.as_of.ToDatetime(tzinfo=UTC)  # the database's clock, as the rows'
-        page = render_page(response.status, now, stale, audit)
-        return _html(HTTPStatus.OK, page, PAGE_POLICY)
+        page = render_page(response.status, now, stale, audit, controls=controls)
+        return self._with_session(_html(HTTPStatus.OK, page, PAGE_POLICY), session, fresh)
+
+    async def _find_task(self, request: web.Request) -> web.Response:
+        """The page's "open a task" form (GET /tasks?id=...) goes to the task's page."""
+        task_id = request.query.get("id", "").strip()
+        location = f"/tasks/{quote(task_id, safe='')}" if task_id else "/"
+        return web.Response(status=HTTPStatus.SEE_OTHER, headers={"Location": location})
+
+    async def _task_page(self, request: web.Request) -> web.Response:
+        caller, token = await self._person(request)
+        session, fresh = self._session(request)
+        controls = Controls(caller, actions.form_token(session, token))
+        status = (await read_status(self.database, self.settings)).status
+        zone = _zone(status.settings.timezone)
+        try:
+            view = await read_task(
+                self.database,
+                self.settings,
+                self.guard,
+                caller,
+                request.match_info["task_id"],
+                status,
+                zone,
+            )
+        except ServiceError as error:
+            return _message(actions.http_status(error.code), "Task", str(error), "/")
+        page = render_task(view, zone, controls)
+        return self._with_session(_html(HTTPStatus.OK, page, PAGE_POLICY), session, fresh)
+
+    async def _act(self, request: web.Request) -> web.Response:
+        """One of the page's buttons: the CSRF and origin checks, the confirmation of a
+        destructive action, then its RPC through the handler; a redirect to a page after."""
+        action = actions.ACTIONS.get(request.match_info["name"])
+        if action is None:
+            return _text(HTTPStatus.NOT_FOUND, "no such action: " + ", ".join(actions.ACTIONS))
+        origin = request.headers.get("Origin", "null")  # null: sent under no-referrer
+        cross_site = origin != "null" and host_name(urlsplit(origin).netloc) not in self.hosts
+        if cross_site or request.headers.get("Sec-Fetch-Site", "same-origin") not in (
+            "same-origin",
+            "none",
+        ):
+            return _message(
+                HTTPStatus.FORBIDDEN, "Refused", "an action must come from this page's own form"
+            )
+        form = {key: str(value) for key, value in (await request.post()).items()}
+        caller, token = await self._person(request)
+        session = request.cookies.get(actions.SESSION_COOKIE)
+        if not actions.form_token_matches(session, token, form.get(actions.CSRF_FIELD, "")):
+            return _message(
+                HTTPStatus.FORBIDDEN,
+                "Refused",
+                "this form did not come from this page, or has expired (a new login): "
+                "nothing was changed; reload the page and try again",
+            )
+        back = action.back(form)
+        if not caller.roles & RULES[action.method].roles:
+            allowed = " or ".join(sorted(RULES[action.method].roles))
+            return _message(
+                HTTPStatus.FORBIDDEN,
+                "Refused",
+                f"{action.method} needs the role {allowed}; nothing was changed",
+                back,
+            )
+        try:
+            rpc_request = action.build(form)
+        except actions.BadForm as error:
+            return _message(HTTPStatus.BAD_REQUEST, "Not done", str(error), back)
+        if form.get(actions.CONFIRM_FIELD) != "yes":
+            currency = ""
+            if action.method == "UpdateSettings":
+                status = (await read_status(self.database, self.settings)).status
+                currency = status.settings.currency
+            question = action.confirm(form, currency)
+            if question is not None:
+                page = TEMPLATES.get_template("confirm.html").render(
+                    question=question,
+                    path=request.path,
+                    fields=[(name, form.get(name, "")) for name in action.fields],
+                    csrf=form[actions.CSRF_FIELD],
+                    back=back,
+                )
+                return _html(HTTPStatus.OK, page, PAGE_POLICY)
+        call = actions.PageCall(token, _certificate_name(request))
+        try:
+            await self.runner.run(action.method, rpc_request, call)
+        except actions.Refused as refused:
+            return _message(actions.http_status(refused.code), "Not done", refused.details, back)
+        return web.Response(status=HTTPStatus.SEE_OTHER, headers={"Location": back})
 
     async def _status_json(self, request: web.Request) -> web.Response:
         response = await read_status(self.database, self.settings)
@@ -334,6 +495,28 @@ async def _common_headers(request: web.Request, response: web.StreamResponse) ->
     response.headers["Cache-Control"] = "no-store"
     response.headers["X-Content-Type-Options"] = "nosniff"
     response.headers["Referrer-Policy"] = "no-referrer"
+
+
+def _message(status: HTTPStatus, title: str, message: str, back: str = "/") -> web.Response:
+    """An action refused or failed, or a task not shown: what happened, and a way back."""
+    page = TEMPLATES.get_template("message.html").render(title=title, message=message, back=back)
+    return _html(status, page, PAGE_POLICY)
+
+
+def _certificate_name(request: web.Request) -> str | None:
+    """The common name of the client certificate (mutual TLS), if one was presented."""
+    transport = request.transport
+    peer = transport.get_extra_info("peercert") if transport is not None else None
+    for entry in (peer or {}).get("subject", ()):
+        for key, value in entry:
+            if key == "commonName":
+                return str(value)
+    return None
+
+
+def _certificate_actor(request: web.Request) -> str:
+    name = _certificate_name(request)
+    return f"cert:{name}" if name else "anonymous"
 
 
 def _login_form(status: HTTPStatus, message: str) -> web.Response:
@@ -381,6 +564,22 @@ class Chart:
     """(label, x) under the axis."""
 
 
+@dataclass(frozen=True)
+class Controls:
+    """What the page offers its reader: the buttons their roles may press, and the CSRF token
+    every form carries."""
+
+    caller: Caller
+    csrf: str
+
+    def may(self, method: str, tool: str | None = None) -> bool:
+        return actions.may(self.caller, method, tool)
+
+    def offers(self, method: str) -> bool:
+        """The caller's roles may call the RPC (on some tool at least)."""
+        return bool(self.caller.roles & RULES[method].roles)
+
+
 def _may_read(caller: Caller, method: str) -> bool:
     return bool(caller.roles & RULES[method].roles) and not caller.tools
 
@@ -390,6 +589,7 @@ def render_page(
     now: datetime,
     stale: Sequence[task_pb2.StaleTask] = (),
     audit: Sequence[task_pb2.AuditEntry] | None = (),
+    controls: Controls | None = None,
 ) -> str:
     zone = _zone(status.settings.timezone)
 
@@ -424,6 +624,40 @@ def render_page(
         status_name=_status_name,
         detail=lambda entry: json.dumps(json_format.MessageToDict(entry.detail), sort_keys=True),
         chart_size=(CHART_WIDTH, CHART_HEIGHT, PLOT_LEFT, PLOT_RIGHT, PLOT_BOTTOM),
+        controls=controls,
+        csrf_field=actions.CSRF_FIELD,
+    )
+
+
+def render_task(view: TaskView, zone: ZoneInfo, controls: Controls) -> str:
+    """The task's page."""
+    task = view.task
+    settings = view.status.settings
+
+    def stamp(moment: datetime | None) -> str:
+        return moment.astimezone(zone).strftime("%Y-%m-%d %H:%M:%S") if moment else "—"
+
+    def body(message: Any) -> str:
+        return json.dumps(json_format.MessageToDict(message), indent=2, sort_keys=True)
+
+    return TEMPLATES.get_template("task.html").render(
+        task=task,
+        view=view,
+        zone=zone.key,
+        status_name=_status_name,
+        event_kind=lambda kind: (
+            task_pb2.TaskEventKind.Name(kind).removeprefix("TASK_EVENT_KIND_").lower()
+        ),
+        stamp=stamp,
+        at=lambda moment: moment.ToDatetime(tzinfo=UTC),
+        money=lambda nanos: money(nanos, settings.currency, grouped=True),
+        body=body,
+        readers=" or ".join(sorted(RULES["GetTask"].roles)),
+        controls=controls,
+        csrf_field=actions.CSRF_FIELD,
+        cancellable=task.status in CANCELLABLE and not task.HasField("cancel_requested_at"),
+        retryable=task.status in RETRYABLE,
+        retry_key=str(uuid.uuid4()),
     )
 
 
