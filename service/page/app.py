@@ -295,8 +295,7 @@ class StatusServer:
         return None
 
     async def _log_in(self, request: web.Request) -> web.Response:
-        origin = request.headers.get("Origin")
-        if origin and host_name(urlsplit(origin).netloc) not in self.hosts:
+        if self._foreign(request):
             return _text(HTTPStatus.FORBIDDEN, "a login must come from this page's own form")
         token = str((await request.post()).get("token", "")).strip()
         try:
@@ -310,6 +309,15 @@ class StatusServer:
             COOKIE, token, path="/", httponly=True, samesite="Strict", secure=self.settings.tls
         )
         return response
+
+    def _foreign(self, request: web.Request) -> bool:
+        """A POST another site's page made: its Origin names another host, or the browser says
+        it is cross-site (Sec-Fetch-Site). A browser sends `Origin: null` for the page's own
+        forms (its Referrer-Policy is no-referrer): then Sec-Fetch-Site and the CSRF token tell."""
+        origin = request.headers.get("Origin", "null")
+        if origin != "null" and host_name(urlsplit(origin).netloc) not in self.hosts:
+            return True
+        return request.headers.get("Sec-Fetch-Site", "same-origin") not in ("same-origin", "none")
 
     async def _log_out(self, request: web.Request) -> web.Response:
         response = web.Response(status=HTTPStatus.SEE_OTHER, headers={"Location": "/"})
@@ -412,12 +420,7 @@ class StatusServer:
         action = actions.ACTIONS.get(request.match_info["name"])
         if action is None:
             return _text(HTTPStatus.NOT_FOUND, "no such action: " + ", ".join(actions.ACTIONS))
-        origin = request.headers.get("Origin", "null")  # null: sent under no-referrer
-        cross_site = origin != "null" and host_name(urlsplit(origin).netloc) not in self.hosts
-        if cross_site or request.headers.get("Sec-Fetch-Site", "same-origin") not in (
-            "same-origin",
-            "none",
-        ):
+        if self._foreign(request):
             return _message(
                 HTTPStatus.FORBIDDEN, "Refused", "an action must come from this page's own form"
             )
