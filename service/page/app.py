@@ -1,4 +1,4 @@
-"""The operators' read-only HTTP surface, served beside gRPC in the same process (aiohttp).
+"""The operators' HTTP surface, served beside gRPC in the same process (aiohttp).
 
     GET /              the status page: what runs, what does not and why, the last hour's chart
     GET /status.json   the GetStatus answer as JSON (proto field names, every field, defaults too)
