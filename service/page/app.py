@@ -33,6 +33,7 @@ reloads itself every REFRESH_SECONDS.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shlex
@@ -337,17 +338,16 @@ class StatusServer:
 
     async def _person(self, request: web.Request) -> tuple[Caller, str | None]:
         """Who reads the page and the token they sent. Under GENQ_AUTH=required the middleware
-        identified them; else a token sent is honoured when valid, and without one the caller is
-        anonymous (every role, as on the gRPC port)."""
+        identified them; else a valid token sent is honoured, and without one the caller is
+        anonymous (every role, as on the gRPC port). An invalid token is shown the page as
+        anonymous, but is still the one an action sends: its RPC refuses it, as over gRPC."""
         token = self._token(request)
         caller: Caller | None = request.get("caller")
         if caller is None:
             caller = anonymous(_certificate_actor(request))
             if token is not None:
-                try:
+                with contextlib.suppress(Unauthenticated):
                     caller = await self.guard.identify(token)
-                except Unauthenticated:
-                    token = None
         return caller, token
 
     def _session(self, request: web.Request) -> tuple[str, bool]:
