@@ -5,6 +5,7 @@
     GET /metrics       Prometheus text format (service/api/metrics.py)
     GET /healthz       200 while Postgres answers within HEALTHZ_TIMEOUT_SECONDS, else 503
     GET /tasks/<id>    one task: its status, attempts, events, input and output, why it waits
+    GET /cap           the form that sets the daily cap
     POST /actions/...  the page's buttons, each one RPC (service/page/actions.py)
 
 HEAD works wherever GET does; any other method on the read paths is 405, any other path 404.
@@ -76,7 +77,7 @@ HEALTHZ_TIMEOUT_SECONDS = 0.8
 # The largest body read: a login form (every other body is refused unread).
 MAX_LOGIN_BYTES = 4096
 READ_PATHS = ("/", "/status.json", "/metrics", "/healthz")
-GUARDED_PATHS = frozenset({"/", "/status.json", "/metrics", "/tasks"})
+GUARDED_PATHS = frozenset({"/", "/status.json", "/metrics", "/tasks", "/cap"})
 GUARDED_PREFIXES = ("/tasks/", "/actions/")
 
 # The page needs nothing but its own inline style and inline SVG; its forms post to itself.
@@ -199,6 +200,7 @@ class StatusServer:
         self.app.router.add_get("/metrics", self._metrics)
         self.app.router.add_get("/healthz", self._healthz)
         self.app.router.add_get("/tasks", self._find_task)
+        self.app.router.add_get("/cap", self._cap_page)
         self.app.router.add_get("/tasks/{task_id}", self._task_page)
         self.app.router.add_post("/actions/{name}", self._act)
         self.app.router.add_post("/login", self._log_in)
@@ -392,6 +394,27 @@ class StatusServer:
         task_id = request.query.get("id", "").strip()
         location = f"/tasks/{quote(task_id, safe='')}" if task_id else "/"
         return web.Response(status=HTTPStatus.SEE_OTHER, headers={"Location": location})
+
+    async def _cap_page(self, request: web.Request) -> web.Response:
+        """The form that sets the daily cap (UpdateSettings), on a page that does not reload."""
+        caller, token = await self._person(request)
+        if not actions.may(caller, "UpdateSettings"):
+            allowed = " or ".join(sorted(RULES["UpdateSettings"].roles))
+            return _message(HTTPStatus.FORBIDDEN, "Refused", f"setting the cap needs {allowed}")
+        session, fresh = self._session(request)
+        settings = (await read_status(self.database, self.settings)).status.settings
+        cap = cap_in_force(settings)
+        current = money(cap, settings.currency, grouped=True) if cap else "not set (nothing runs)"
+        if settings.HasField("cap_override_nanos"):
+            current += " (GENQ_DAILY_CAP_NANOS replaces the stored cap)"
+        page = TEMPLATES.get_template("cap.html").render(
+            current=current,
+            zone=_zone(settings.timezone).key,
+            currency=settings.currency,
+            csrf=actions.form_token(session, token),
+            csrf_field=actions.CSRF_FIELD,
+        )
+        return self._with_session(_html(HTTPStatus.OK, page, PAGE_POLICY), session, fresh)
 
     async def _task_page(self, request: web.Request) -> web.Response:
         caller, token = await self._person(request)

@@ -395,6 +395,9 @@ def test_the_switch_the_cap_and_a_hold_from_the_page(served: Served, browser: Br
         {"enabled": True},
     ]
 
+    # The cap has a page of its own (the status page reloads itself, and would lose the amount).
+    browser.click("document.getElementById('change-cap')")
+    assert browser.location() == "/cap" and "5.00 EUR" in Dom(browser.html()).section("cap-page")
     browser.fill('#cap-form input[name="amount"]', "12.5")
     browser.click("document.querySelector('#cap-form button')")
     assert "Set the daily cap to 12.50 EUR?" in Dom(browser.html()).section("confirm")
@@ -404,6 +407,7 @@ def test_the_switch_the_cap_and_a_hold_from_the_page(served: Served, browser: Br
     assert "12.50 EUR" in Dom(browser.html()).section("cap")
 
     # An amount that is not one is refused, and changes nothing.
+    browser.open(f"{served.base}/cap")
     browser.fill('#cap-form input[name="amount"]', "ten")
     browser.click("document.querySelector('#cap-form button')")
     assert "not an amount" in Dom(browser.html()).section("message")
@@ -422,7 +426,9 @@ def test_a_viewer_sees_no_button_and_a_forged_post_changes_nothing(
 ) -> None:
     browser.log_in(served.base, served.viewer)
     html = browser.html()
-    assert "/actions/" not in html and 'name="csrf"' not in html
+    assert "/actions/" not in html and 'name="csrf"' not in html and "/cap" not in html
+    browser.open(f"{served.base}/cap")
+    assert "setting the cap needs operator" in Dom(browser.html()).section("message")
     browser.open(f"{served.base}/tasks/{served.failed}")
     assert "/actions/" not in browser.html()
 
