@@ -547,6 +547,7 @@ def test_the_task_page_shows_attempts_events_and_why_it_waits(
         dom = Dom(browser.html())
         attempts = dom.section("attempts")
         assert "1" in attempts and "failed" in attempts and "0.05 EUR" in attempts
+        assert dom.section("task-cost") == "0.05 EUR (1 attempt)"
         events = dom.section("events")
         # In order: the claim's start, the progress, the failure.
         assert events.index("progress") < events.index("failed")
