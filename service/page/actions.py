@@ -20,13 +20,13 @@ match, or whose Origin is another site's, changes nothing and answers 403.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import hmac
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
 from http import HTTPStatus
 from typing import Any
 
@@ -38,7 +38,6 @@ from generation.task.v1 import task_pb2
 from service.api.auth import RULES, Caller
 from service.api.handlers import Handlers
 from service.api.rpcs import BINDINGS, SERVICE
-from workers_sdk.cli.values import amount
 from workers_sdk.money import money
 
 SESSION_COOKIE = "genq_session"
@@ -122,21 +121,38 @@ def _switch(form: Mapping[str, str]) -> Message:
     return task_pb2.UpdateSettingsRequest(enabled=form["enabled"] == "on")
 
 
+NANOS = Decimal(1_000_000_000)
+MAX_NANOS = 2**63 - 1
+
+
+def amount(text: str) -> int:
+    """A decimal amount of the currency unit (12.50) as integer nanos, through Decimal (never a
+    float), as `genq cap` reads it; the RPC checks the range it takes."""
+    try:
+        units = Decimal(text.strip())
+    except InvalidOperation:
+        units = Decimal("NaN")
+    if not units.is_finite():
+        raise BadForm(f"daily cap: not an amount in currency units (e.g. 12.50): {text!r}")
+    nanos = units * NANOS
+    if nanos != nanos.to_integral_value():
+        raise BadForm(f"daily cap: at most 9 decimal places (a billionth of the unit): {text}")
+    if not 0 <= nanos <= MAX_NANOS:
+        raise BadForm(f"daily cap: out of range: {text}")
+    return int(nanos)
+
+
 def _cap(form: Mapping[str, str]) -> Message:
     text = form.get("amount", "").strip()
     if not text:
         raise BadForm("give the daily cap as an amount in currency units, e.g. 10")
-    try:
-        nanos = amount(text)
-    except argparse.ArgumentTypeError as error:
-        raise BadForm(f"daily cap: {error}") from None
-    return task_pb2.UpdateSettingsRequest(daily_cap_nanos=nanos)
+    return task_pb2.UpdateSettingsRequest(daily_cap_nanos=amount(text))
 
 
 def _confirm_cap(form: Mapping[str, str], currency: str) -> str:
     try:
-        nanos = amount(form.get("amount", "").strip())
-    except argparse.ArgumentTypeError:
+        nanos = amount(form.get("amount", ""))
+    except BadForm:
         return "Set the daily cap?"  # refused when it runs, with the reason
     shown = money(nanos, currency, grouped=True)
     return f"Set the daily cap to {shown}? Claims stop once today's spend reaches it."
