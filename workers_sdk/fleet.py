@@ -639,10 +639,10 @@ class WorkerFleet:
         `concurrency` left out: DEFAULT_ASYNC_CONCURRENCY (10) lanes for an async handler,
         DEFAULT_SYNC_CONCURRENCY (1) for a sync one. An async handler mostly waits on a
         provider: one lane would leave the worker idle through every claim, confirm and report
-        round trip (on the bench's 2-core machine a worker drained about 200 no-op tasks/s
-        with 1 lane, 1,300 to 1,450 with 10, and 5,300 with 100, bench/drain.py), while 10
-        keeps a worker's calls to its provider, and the tasks its crash would strand (each
-        then charged a retry), few: raise it for a provider that takes more at once. A sync
+        round trip (on the bench's 2-core machine a worker drained under 200 no-op tasks/s
+        with 1 lane, 1,300 to 1,600 with 10, and 4,800 to 5,300 with 100, bench/drain.py),
+        while 10 keep a worker's calls to its provider, and the tasks its crash would strand
+        (each then charged a retry), few: raise it for a provider that takes more at once. A sync
         handler runs in a thread of its own per lane: code not written for threads stays safe,
         and Python code that computes gains nothing from more threads (the GIL); raise it for
         a handler that blocks on I/O and is thread-safe.
