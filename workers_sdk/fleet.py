@@ -23,16 +23,16 @@ the loop backs off 0.25 s (sooner if a slot frees). The fleet's own wake event s
 stop was requested"; it is cleared before each sweep, so one set during the sweep is not lost.
 
 Batching. Each claimed task is worked on its own (below), but what the fleet sends about it is
-coalesced: the confirmations, heartbeats and CompleteTask/FailTask reports of every task in flight,
-of every tool, go out as HeartbeatTasks, CompleteTasks and FailTasks carrying whatever is ready, and
-each item's answer goes back to its own task (a `refused` LEASE_LOST or TASK_NOT_FOUND is that
-task's lost lease, exactly as the single RPC's error would be). A batch leaves at the end of the
-event loop's current turn, with every call made in that turn (the handlers of one claim that return
-together report together), and waits for no company beyond it; `report_delay` (0 by default) makes
-it wait that long for more. It leaves at once when it is full (1,000 items, or about 2 MiB of
-requests). A batch that fails UNAVAILABLE fails each of its items, and each report is tried again on
-its own policy (so the retries batch again): that is safe, since the service answers a report
-repeated under the same lease the same. A batch the service refuses as a whole (INVALID_ARGUMENT or
+coalesced: the heartbeats and CompleteTask/FailTask reports of every task in flight, of every tool,
+go out as HeartbeatTasks, CompleteTasks and FailTasks carrying whatever is ready, and each item's
+answer goes back to its own task (a `refused` LEASE_LOST or TASK_NOT_FOUND is that task's lost
+lease, exactly as the single RPC's error would be). A batch leaves at the end of the event loop's
+current turn, with every call made in that turn (the handlers of one claim that return together
+report together), and waits for no company beyond it; `report_delay` (0 by default) makes it wait
+that long for more. It leaves at once when it is full (1,000 items, or about 2 MiB of requests). A
+batch that fails UNAVAILABLE fails each of its items, and each report is tried again on its own
+policy (so the retries batch again): that is safe, since the service answers a report repeated under
+the same lease the same. A batch the service refuses as a whole (INVALID_ARGUMENT or
 RESOURCE_EXHAUSTED: one item's output too large, say) is sent again item by item, so that each
 report hears its own answer. A batch of one is the single RPC (HeartbeatTask, CompleteTask,
 FailTask), which carries its task's trace context; a larger batch belongs to no one task's trace and
@@ -53,19 +53,21 @@ an async handler is cancelled (a sync one sees the flag and may stop early); wha
 or raises is dropped. Another worker owns the task now; any write from here would be refused
 anyway.
 
-Confirmation. The service counts a claim as a run only once its worker confirms it (the first
-heartbeat, event or report under the lease): a lease that lapses unconfirmed means the claim's
-answer never reached a worker (a deadline, a dropped connection) and costs the task no retry,
-while a confirmed run that ends without success (the worker crashed, the lease lapsed) costs
-one. So right after a claim arrives, before the handler starts, the fleet sends one heartbeat
-per task (one HeartbeatTasks for the claim's whole batch). OK: the handler runs. LEASE_LOST or
-NOT_FOUND: the task is not this worker's (or gone); it does not run. UNAVAILABLE or a deadline:
-tried again (CONFIRM) within the first two thirds of the lease (a heartbeat is idempotent);
-still nothing, and it does not run: it is handed back, which costs nothing even if a try
-committed unseen (should that fail too, the lease lapses). One beat per claim is the whole
-price, and it is what lets the service tell the two apart: a poison task that crashes its worker
-mid-handler was confirmed each time, so `max_retries` bounds its runs, and a claim answer lost
-on the way is never charged as a run.
+Confirmation. The service counts a claim as a run only once its worker confirms it (ConfirmClaim, or
+a first heartbeat or event under the lease): a lease that lapses unconfirmed means the claim's
+answer never reached a worker (a deadline, a dropped connection) and costs the task no retry, while
+a confirmed run that ends without success (the worker crashed, the lease lapsed) costs one. So right
+after a claim arrives, before any handler starts, the poll loop sends one ConfirmClaim for the
+claim's whole batch (its tasks share one lease token). It answers the tasks the claim still holds,
+now confirmed: those run, and those of them it says a cancel was asked for end cancelled unrun. A
+task it leaves out is not this worker's any more (handed back, lapsed, gone): it does not run.
+UNAVAILABLE or a deadline: tried again (CONFIRM) within the first two thirds of the lease (the call
+is idempotent: a repeat answers the same); still nothing, and none of them runs: each is handed
+back, which costs nothing even if a try committed unseen (should that fail too, the lease lapses).
+One call per claim is the whole price (it extends no lease: the beats follow the claim's), and it is
+what lets the service tell the two apart: a poison task that crashes its worker mid-handler was
+confirmed each time, so `max_retries` bounds its runs, and a claim answer lost on the way is never
+charged as a run.
 
 Cancel. Cancelling a running task asks its worker to stop: the next heartbeat answers
 `cancel_requested`. The fleet then sets `ctx.cancel_requested` and cancels an async handler (it runs
@@ -160,7 +162,7 @@ doubled up to `poll_interval`, until it answers or stop is asked; the poll loop 
 failure."""
 
 CONFIRM_ATTEMPTS = 3
-"""Tries of the HeartbeatTask that confirms a claim (policy "confirm"), when it answers
+"""Tries of the ConfirmClaim that confirms a claim (policy "confirm"), when it answers
 UNAVAILABLE or times out, all within two thirds of the claim's lease."""
 
 CONFIRM_RETRY_SECONDS = 0.5
@@ -358,7 +360,7 @@ class _Lane:
     runs_in_thread: bool
     tool_id: str = ""
     runs: set[_Run] = field(default_factory=set)
-    """Its claimed tasks not yet let go (confirming, running or reporting)."""
+    """Its claimed and confirmed tasks not yet let go (running or reporting)."""
     running: set[_Run] = field(default_factory=set)
     """Those that hold a slot: claimed, their handler not returned yet."""
     wake: asyncio.Event = field(default_factory=asyncio.Event)
@@ -554,10 +556,10 @@ class WorkerFleet:
 
     One ClaimTasks claims as many tasks as a lane has free slots, and what the fleet sends about
     its tasks is batched (module docstring, "Batching"). Before a claimed task's handler starts,
-    one heartbeat confirms the claim (a run counts only once confirmed); a claim that cannot be
-    confirmed is not run. A heartbeat answering `cancel_requested` sets `ctx.cancel_requested`,
-    cancels the handler and reports the cancel with the run's cost. See the module docstring
-    for why.
+    one ConfirmClaim confirms the claim's batch (a run counts only once confirmed); a task it
+    does not confirm is not run. A heartbeat answering `cancel_requested` sets
+    `ctx.cancel_requested`, cancels the handler and reports the cancel with the run's cost. See
+    the module docstring for why.
     """
 
     def __init__(
@@ -637,10 +639,10 @@ class WorkerFleet:
         `concurrency` left out: DEFAULT_ASYNC_CONCURRENCY (10) lanes for an async handler,
         DEFAULT_SYNC_CONCURRENCY (1) for a sync one. An async handler mostly waits on a
         provider: one lane would leave the worker idle through every claim, confirm and report
-        round trip (on the bench's 2-core machine a worker drained about 200 no-op tasks/s
-        with 1 lane, 1,300 to 1,450 with 10, and 5,300 with 100, bench/drain.py), while 10
-        keeps a worker's calls to its provider, and the tasks its crash would strand (each
-        then charged a retry), few: raise it for a provider that takes more at once. A sync
+        round trip (on the bench's 2-core machine a worker drained under 200 no-op tasks/s
+        with 1 lane, 1,300 to 1,600 with 10, and 4,800 to 5,300 with 100, bench/drain.py),
+        while 10 keep a worker's calls to its provider, and the tasks its crash would strand
+        (each then charged a retry), few: raise it for a provider that takes more at once. A sync
         handler runs in a thread of its own per lane: code not written for threads stays safe,
         and Python code that computes gains nothing from more threads (the GIL); raise it for
         a handler that blocks on I/O and is thread-safe.
@@ -843,9 +845,93 @@ class WorkerFleet:
                 )
 
     async def _sweep(self, lane: _Lane) -> None:
-        """Claims tasks for the lane's free slots, and starts working them."""
+        """Claims tasks for the lane's free slots, confirms the claim, and starts working the
+        tasks it holds."""
         limit = min(lane.free, MAX_CLAIM_BATCH)
-        self._claimed(lane, *await self._claim(lane, limit, self._park_seconds()))
+        claimed, lease, claim_span = await self._claim(lane, limit, self._park_seconds())
+        if claimed:
+            await self._confirm_claim(lane, claimed, lease, claim_span)
+
+    async def _confirm_claim(
+        self,
+        lane: _Lane,
+        claimed: list[task_pb2.ClaimedTask],
+        lease: float,
+        claim_span: trace.SpanContext,
+    ) -> None:
+        """One ConfirmClaim for a claim's tasks (they share its lease token) before any handler
+        runs (module docstring, "Confirmation"); starts the tasks it confirms, cancelled before
+        they start when a cancel was asked for. Never raises: a failed sweep is claimed again."""
+        loop = asyncio.get_running_loop()
+        claimed_at = loop.time()
+        # Give up well inside the claim's lease: past it the confirmation could only be refused.
+        deadline = claimed_at + lease * 2 / 3
+        request = task_pb2.ConfirmClaimRequest(
+            tool_id=lane.tool_id,
+            lease_token=claimed[0].lease_token,
+            task_ids=[item.task.id for item in claimed],
+        )
+
+        async def confirm() -> Any:
+            timeout = min(self.client.timeout, max(0.001, deadline - loop.time()))
+            return await self.client.call("ConfirmClaim", request, timeout=timeout)
+
+        def failed(error: Exception, tries: int, pause: float) -> None:
+            log.warning("%s: confirming a claim of %d failed: %s", lane.name, len(claimed), error)
+
+        # Policy "confirm", made here from its two settings (read when used: a test shortens them).
+        policy = Policy("confirm", first=CONFIRM_RETRY_SECONDS, attempts=CONFIRM_ATTEMPTS)
+        try:
+            answer = await retry(
+                policy, confirm, retry_on=_transient, deadline=deadline, on_retry=failed
+            )
+        except Exception as error:
+            if not _transient(error):
+                log.error(
+                    "%s: claim of %d not confirmed: %s; not running it",
+                    lane.name,
+                    len(claimed),
+                    error,
+                )
+                return
+            log.warning(
+                "%s: could not confirm a claim of %d (%s); not running it, handing it back",
+                lane.name,
+                len(claimed),
+                error,
+            )
+            # One of the tries may have committed after all (its answer lost): the leases would
+            # then count as confirmed and their lapse cost a retry for runs that never happened.
+            # A release costs nothing either way; if it cannot get through either, they lapse.
+            await asyncio.gather(*(self._hand_back(item) for item in claimed))
+            return
+        held = set(answer.task_ids)
+        cancel = set(answer.cancel_requested_task_ids)
+        lease_until = claimed_at + lease
+        for item in claimed:
+            task = item.task
+            if task.id not in held:
+                log.warning(
+                    "task %s: claim not confirmed (lease lost or task gone); not running it",
+                    task.id,
+                )
+                continue
+            ctx = TaskContext(self.client, lane.name, task, item.lease_token, loop)
+            if task.id in cancel:
+                ctx._request_cancel()
+            run = _Run(lane, ctx, claim_span, lease, lease_until)
+            lane.running.add(run)
+            lane.runs.add(run)
+            run.task = asyncio.create_task(self._execute(run), name=f"genq {lane.name} {task.id}")
+            run.task.add_done_callback(functools.partial(self._finished, run))
+
+    async def _hand_back(self, item: task_pb2.ClaimedTask) -> None:
+        """ReleaseTask for a claimed task that could not be confirmed (never raises)."""
+        request = task_pb2.ReleaseTaskRequest(task_id=item.task.id, lease_token=item.lease_token)
+        try:
+            await self.client.call("ReleaseTask", request, timeout=self.client.timeout)
+        except GenqError as error:
+            log.info("task %s: hand-back not delivered either (%s)", item.task.id, error.code)
 
     def _span(self, name: str) -> AbstractContextManager[trace.Span]:
         """`name` as the current span. With no tracer provider set up when the fleet started
@@ -884,30 +970,6 @@ class WorkerFleet:
                 span.set_attribute("genq.task_id", claimed[0].task.id)
             return claimed, lease, span.get_span_context()
 
-    def _claimed(
-        self,
-        lane: _Lane,
-        claimed: list[task_pb2.ClaimedTask],
-        lease: float,
-        claim_span: trace.SpanContext,
-    ) -> None:
-        if not claimed:
-            return
-        loop = asyncio.get_running_loop()
-        lease_until = loop.time() + lease
-        for item in claimed:
-            ctx = TaskContext(self.client, lane.name, item.task, item.lease_token, loop)
-            run = _Run(lane, ctx, claim_span, lease, lease_until)
-            lane.running.add(run)
-            lane.runs.add(run)
-            run.task = asyncio.create_task(
-                self._execute(run), name=f"genq {lane.name} {ctx.task.id}"
-            )
-            run.task.add_done_callback(functools.partial(self._finished, run))
-        # Each run's first step submits its confirmation; this runs right after the last of
-        # them, so the claim's confirmations leave together without waiting `report_delay`.
-        loop.call_soon(self._beats.flush)
-
     def _finished(self, run: _Run, _: asyncio.Task[None]) -> None:
         run.lane.runs.discard(run)
         self._free_slot(run)
@@ -944,10 +1006,6 @@ class WorkerFleet:
 
     async def _work(self, run: _Run, span: trace.Span) -> None:
         ctx = run.ctx
-        confirmed = await self._confirm(run)
-        span.set_attribute("genq.confirmed", confirmed)
-        if not confirmed:
-            return
         if self._past_drain_deadline():
             # The drain's deadline passed while the claim came in (a claim parked at the
             # stop) or was confirmed: hand it back unrun rather than run it and release it
@@ -959,9 +1017,11 @@ class WorkerFleet:
             span.set_attribute("genq.cancelled", True)
             await self._report(run, "cancel", _cancel_request(ctx))
             return
-        # The confirmation was the first beat; the next is due a beat interval from now, in
-        # the fleet's one beat schedule (a run shorter than a beat never sends another).
-        self._schedule_beat(run, self._beat_interval(run))
+        # The first beat is due a beat interval after the claim answered (ConfirmClaim extends
+        # no lease), in the fleet's one beat schedule: a run shorter than that sends none.
+        claimed_at = run.lease_until - run.lease
+        due = claimed_at + self._beat_interval(run) - asyncio.get_running_loop().time()
+        self._schedule_beat(run, max(0.0, due))
         run.handling = True
         if not run.lane.runs_in_thread:  # a thread cannot be interrupted: it sees the flag
             ctx._stop_handler = functools.partial(self._interrupt, run)
@@ -1006,54 +1066,6 @@ class WorkerFleet:
         if run.handling and not run.interrupted and run.task is not None:
             run.interrupted = True
             run.task.cancel()
-
-    async def _confirm(self, run: _Run) -> bool:
-        """The HeartbeatTask that confirms a claim before its handler runs (module docstring,
-        "Confirmation"); says whether the claim is confirmed and the handler may run."""
-        ctx = run.ctx
-        request = task_pb2.HeartbeatTaskRequest(task_id=ctx.task.id, lease_token=ctx.lease_token)
-        loop = asyncio.get_running_loop()
-        # Give up well inside the claim's lease: past it the beat could only hear LEASE_LOST.
-        deadline = loop.time() + run.lease * 2 / 3
-
-        async def beat() -> Any:
-            timeout = min(self.client.timeout, max(0.001, deadline - loop.time()))
-            return await self._beats.call(request, timeout=timeout)
-
-        def failed(error: Exception, tries: int, pause: float) -> None:
-            log.warning("task %s: confirming the claim failed: %s", ctx.task.id, error)
-
-        # Policy "confirm", made here from its two settings (read when used: a test shortens them).
-        confirm = Policy("confirm", first=CONFIRM_RETRY_SECONDS, attempts=CONFIRM_ATTEMPTS)
-        try:
-            response = await retry(
-                confirm, beat, retry_on=_transient, deadline=deadline, on_retry=failed
-            )
-        except GenqError as error:
-            if _lease_gone(error):
-                why = error.reason
-                log.warning("task %s: claim not confirmed (%s); not running it", ctx.task.id, why)
-                return False
-            if not _transient(error):
-                log.error("task %s: claim not confirmed: %s; not running it", ctx.task.id, error)
-                return False
-            log.warning(
-                "task %s: could not confirm the claim (%s); not running it, handing it back",
-                ctx.task.id,
-                error,
-            )
-        else:
-            self._beaten(run, response)
-            return True
-        # One of the tries may have committed after all (its answer lost): the lease would then
-        # count as confirmed and its lapse cost a retry for a run that never happened. A release
-        # costs nothing either way; if it cannot get through either, the lease lapses.
-        release = task_pb2.ReleaseTaskRequest(task_id=ctx.task.id, lease_token=ctx.lease_token)
-        try:
-            await self.client.call("ReleaseTask", release, timeout=self.client.timeout)
-        except GenqError as error:
-            log.info("task %s: hand-back not delivered either (%s)", ctx.task.id, error.code)
-        return False
 
     async def _in_thread(
         self, handler: SyncHandler, task: task_pb2.Task, ctx: TaskContext

@@ -39,7 +39,8 @@ from service.settings import Settings
 DEFAULT_TTL_SECONDS = 7 * 86_400
 MAX_TTL_SECONDS = 10 * 365 * 86_400
 MAX_BATCH = 1_000
-"""Most items in one QueueTasks, HeartbeatTasks, CompleteTasks or FailTasks call."""
+"""Most items in one QueueTasks, HeartbeatTasks, CompleteTasks or FailTasks call, and most tasks
+one ConfirmClaim names."""
 MAX_CLAIM_BATCH = 100
 """Most tasks one ClaimTasks takes: a worker's free lanes, not a backlog to hoard."""
 MAX_NAME = 200
@@ -344,6 +345,27 @@ def respond_heartbeat_tasks(rows: list[Row]) -> task_pb2.HeartbeatTasksResponse:
         if not refused:
             _heartbeat(row, result.heartbeat, moments)
     return response
+
+
+def bind_confirm_claim(request: task_pb2.ConfirmClaimRequest, settings: Settings) -> Params:
+    tool_id = validation.required_uuid("tool_id", request.tool_id)
+    lease_token = validation.required_uuid("lease_token", request.lease_token)
+    if not 1 <= len(request.task_ids) <= MAX_BATCH:
+        raise InvalidArgument(f"task_ids must hold 1 to {MAX_BATCH} ids", field="task_ids")
+    task_ids = [
+        validation.required_uuid(f"task_ids[{ordinal}]", task_id)
+        for ordinal, task_id in enumerate(request.task_ids)
+    ]
+    if len(set(task_ids)) < len(task_ids):
+        raise InvalidArgument("task_ids repeats a task", field="task_ids")
+    return {"tool_id": tool_id, "lease_token": lease_token, "task_ids": task_ids}
+
+
+def respond_confirm_claim(rows: list[Row]) -> task_pb2.ConfirmClaimResponse:
+    return task_pb2.ConfirmClaimResponse(
+        task_ids=[str(row["task_id"]) for row in rows],
+        cancel_requested_task_ids=[str(row["task_id"]) for row in rows if row["cancel_requested"]],
+    )
 
 
 def bind_complete_tasks(request: task_pb2.CompleteTasksRequest, settings: Settings) -> Params:
@@ -872,6 +894,7 @@ BINDINGS: dict[str, Binding] = {
         bind_claim_tasks, respond_claim_tasks, after=signal_event, park=park_claim
     ),
     "HeartbeatTasks": Binding(bind_heartbeat_tasks, respond_heartbeat_tasks),
+    "ConfirmClaim": Binding(bind_confirm_claim, respond_confirm_claim),
     "CompleteTasks": Binding(
         bind_complete_tasks,
         lambda rows: _report_results(task_pb2.CompleteTasksResponse(), rows),

@@ -307,9 +307,9 @@ def test_example_worker_renders_and_drains(
 def test_a_poison_task_that_kills_every_worker_runs_max_retries_times_then_fails(
     short_leases: ServiceProcess, sdb: Db, tool: tuple[str, str], start_worker: Any
 ) -> None:
-    """Fault 11: each run kills its worker's process. Every run was confirmed (the fleet beats
-    once before the handler starts), so each lapse costs one retry: 3 runs, then failed at once,
-    the reservation released with every run's, and one settlement."""
+    """Fault 11: each run kills its worker's process. Every run was confirmed (the fleet sends
+    its claim's ConfirmClaim before the handler starts), so each lapse costs one retry: 3 runs,
+    then failed at once, the reservation released with every run's, and one settlement."""
     stub = short_leases.stub
     stub.ConfigureTool(task_pb2.ConfigureToolRequest(tool_id=tool[1], cost_estimate_nanos=100))
     task_id = queue(stub, tool[1], input={"poison": True}, max_retries=3, reserved_token_amount=10)

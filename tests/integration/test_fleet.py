@@ -556,15 +556,25 @@ def test_heartbeats_follow_a_short_lease(short_leases: ServiceProcess, short_lea
 
 
 def test_a_claim_is_confirmed_before_the_handler_runs(service: ServiceProcess, db: Db) -> None:
-    """The claim set the lease to exactly its length past the claim; by the time the handler
-    runs, the confirming heartbeat has extended it."""
+    """By the time the handler runs, the claim is confirmed (one ConfirmClaim: its token in
+    claim_confirmations; the task row untouched, its lease still the claim's)."""
     name = tool_name()
     fleet = new_fleet(service)
     seen: list[dict[str, Any]] = []
 
+    def confirmed(task_id: str) -> dict[str, Any]:
+        found = db.execute(
+            "SELECT t.lease_confirmed, t.unconfirmed_claims, t.started_at, t.claim_expires_at, "
+            "  generation.claim_confirmed_v1(t) AS confirmed "
+            "FROM generation.tasks AS t WHERE t.id = %s",
+            [task_id],
+        ).fetchone()
+        assert found is not None
+        return dict(found)
+
     @fleet.tool(name)
     async def handler(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
-        seen.append(await asyncio.to_thread(row, db, task.id))
+        seen.append(await asyncio.to_thread(confirmed, task.id))
         return {}
 
     with running(fleet):
@@ -573,9 +583,9 @@ def test_a_claim_is_confirmed_before_the_handler_runs(service: ServiceProcess, d
         task_id = queue(service.stub, tool_id)
         wait_for(lambda: terminal(db, task_id), what="the task to complete")
     [held] = seen
+    assert (held["confirmed"], held["unconfirmed_claims"]) == (True, 0)
     lease = (held["claim_expires_at"] - held["started_at"]).total_seconds()
-    assert lease > 10, "a heartbeat extended the lease before the handler started"
-    assert (held["lease_confirmed"], held["unconfirmed_claims"]) == (True, 0)
+    assert lease == pytest.approx(10, abs=0.5), "ConfirmClaim extends no lease"
     assert row(db, task_id)["status"] == "completed"
 
 
@@ -641,6 +651,21 @@ def test_a_cancelled_running_task_stops_and_its_cost_is_recorded(
 Beat = Callable[[int], task_pb2.HeartbeatTaskResponse]
 """The scripted answer to the n-th HeartbeatTask (from 1); raises to answer an error."""
 
+Confirm = Callable[[int, task_pb2.ConfirmClaimRequest], task_pb2.ConfirmClaimResponse]
+"""The scripted answer to the n-th ConfirmClaim (from 1); raises to answer an error."""
+
+
+def confirm_all(cancel: bool = False) -> Confirm:
+    """Confirms every task asked for (and asks each to cancel, with `cancel`)."""
+
+    def answer(n: int, request: task_pb2.ConfirmClaimRequest) -> task_pb2.ConfirmClaimResponse:
+        ids = list(request.task_ids)
+        return task_pb2.ConfirmClaimResponse(
+            task_ids=ids, cancel_requested_task_ids=ids if cancel else []
+        )
+
+    return answer
+
 
 def lease(seconds: float) -> duration_pb2.Duration:
     duration = duration_pb2.Duration()
@@ -652,10 +677,14 @@ class ScriptedClient:
     """Stands in for GenqClient: one claimable task, heartbeats answered by `beat`, and a log
     of every call (and of the handler's start) in order."""
 
-    def __init__(self, beat: Beat, *, claim_lease: float | None = 30.0) -> None:
+    def __init__(
+        self, beat: Beat, *, claim_lease: float | None = 30.0, confirm: Confirm | None = None
+    ) -> None:
         self.target = "scripted"
         self.timeout = 10.0
         self.beat = beat
+        self.confirm = confirm or confirm_all()
+        self.confirms = 0
         self.claim_lease = claim_lease
         self.log: list[str] = []
         self.requests: list[Any] = []
@@ -681,6 +710,9 @@ class ScriptedClient:
         if method == "HeartbeatTask":
             self.beats += 1
             return self.beat(self.beats)
+        if method == "ConfirmClaim":
+            self.confirms += 1
+            return self.confirm(self.confirms, request)
         if method in {"CompleteTask", "FailTask", "ReleaseTask"}:
             answer = getattr(task_pb2, f"{method}Response")
             return answer(task=task_pb2.Task(id="task-1", status=task_pb2.TASK_STATUS_COMPLETED))
@@ -730,38 +762,54 @@ def unavailable() -> GenqError:
 def test_scripted_the_claim_is_confirmed_before_the_handler() -> None:
     client = ScriptedClient(ok())
     log = run_scripted(client, lambda: "CompleteTask" in client.log)
-    assert log == ["UpsertTool", "HeartbeatTask", "handler", "CompleteTask"]
+    assert log == ["UpsertTool", "ConfirmClaim", "handler", "CompleteTask"]
+    [confirm] = [r for r in client.requests if isinstance(r, task_pb2.ConfirmClaimRequest)]
+    assert (confirm.tool_id, confirm.lease_token, list(confirm.task_ids)) == (
+        "tool-1",
+        "token-1",
+        ["task-1"],
+    )
 
 
-@pytest.mark.parametrize(
-    "refusal",
-    [
-        LeaseLost(grpc.StatusCode.ABORTED, "lease lost", Reason.LEASE_LOST),
-        GenqError(grpc.StatusCode.NOT_FOUND, "no such task", Reason.TASK_NOT_FOUND),
-    ],
-    ids=["lease-lost", "not-found"],
-)
-def test_scripted_a_refused_confirmation_does_not_run_the_handler(refusal: GenqError) -> None:
-    def beat(n: int) -> task_pb2.HeartbeatTaskResponse:
-        raise refusal
+def test_scripted_a_task_the_confirmation_leaves_out_does_not_run() -> None:
+    """ConfirmClaim answers an empty list (the claim lost its task: handed back, lapsed,
+    stolen): the handler does not run and nothing is reported."""
 
-    client = ScriptedClient(beat)
-    # Several claims after the refused one: the run is over by then.
-    log = run_scripted(client, lambda: client.beats >= 1 and client.log.count("ClaimNextTask") > 3)
-    assert log == ["UpsertTool", "HeartbeatTask"], "not run, nothing reported"
+    def confirm(n: int, request: task_pb2.ConfirmClaimRequest) -> task_pb2.ConfirmClaimResponse:
+        return task_pb2.ConfirmClaimResponse()
+
+    client = ScriptedClient(ok(), confirm=confirm)
+    # Several claims after the unconfirmed one: the run is over by then.
+    log = run_scripted(
+        client, lambda: client.confirms >= 1 and client.log.count("ClaimNextTask") > 3
+    )
+    assert log == ["UpsertTool", "ConfirmClaim"], "not run, nothing reported"
+
+
+def test_scripted_a_refused_confirmation_does_not_run_the_handler() -> None:
+    """ConfirmClaim refused (no retry helps): not run, not handed back either."""
+
+    def confirm(n: int, request: task_pb2.ConfirmClaimRequest) -> task_pb2.ConfirmClaimResponse:
+        raise GenqError(grpc.StatusCode.INVALID_ARGUMENT, "bad claim", None)
+
+    client = ScriptedClient(ok(), confirm=confirm)
+    log = run_scripted(
+        client, lambda: client.confirms >= 1 and client.log.count("ClaimNextTask") > 3
+    )
+    assert log == ["UpsertTool", "ConfirmClaim"], "not run, nothing reported"
 
 
 def test_scripted_an_unavailable_confirmation_is_retried(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fleet_module, "CONFIRM_RETRY_SECONDS", 0.05)
 
-    def beat(n: int) -> task_pb2.HeartbeatTaskResponse:
+    def confirm(n: int, request: task_pb2.ConfirmClaimRequest) -> task_pb2.ConfirmClaimResponse:
         if n <= 2:
             raise unavailable()
-        return ok()(n)
+        return confirm_all()(n, request)
 
-    client = ScriptedClient(beat)
+    client = ScriptedClient(ok(), confirm=confirm)
     log = run_scripted(client, lambda: "CompleteTask" in client.log)
-    assert log == ["UpsertTool", *["HeartbeatTask"] * 3, "handler", "CompleteTask"]
+    assert log == ["UpsertTool", *["ConfirmClaim"] * 3, "handler", "CompleteTask"]
 
 
 def test_scripted_a_claim_that_cannot_be_confirmed_is_not_run(
@@ -770,22 +818,22 @@ def test_scripted_a_claim_that_cannot_be_confirmed_is_not_run(
     monkeypatch.setattr(fleet_module, "CONFIRM_RETRY_SECONDS", 0.05)
     attempts_allowed = fleet_module.CONFIRM_ATTEMPTS
 
-    def beat(n: int) -> task_pb2.HeartbeatTaskResponse:
+    def confirm(n: int, request: task_pb2.ConfirmClaimRequest) -> task_pb2.ConfirmClaimResponse:
         raise unavailable()
 
-    client = ScriptedClient(beat)
+    client = ScriptedClient(ok(), confirm=confirm)
     log = run_scripted(
         client,
-        lambda: client.beats >= attempts_allowed and client.log.count("ClaimNextTask") > 10,
+        lambda: client.confirms >= attempts_allowed and client.log.count("ClaimNextTask") > 10,
     )
     # Not run, and handed back: one of the tries may have committed (its answer lost), and a
     # confirmed lease's lapse would cost a retry for a run that never happened.
-    assert log == ["UpsertTool", *["HeartbeatTask"] * attempts_allowed, "ReleaseTask"]
+    assert log == ["UpsertTool", *["ConfirmClaim"] * attempts_allowed, "ReleaseTask"]
 
 
 def test_scripted_heartbeats_follow_the_lease() -> None:
     """The claim says 0.6 s, every beat 0.3 s: though heartbeat_interval is 60 s, the fleet
-    beats every 0.1 s once the confirmation answered."""
+    beats 0.2 s after the claim, then every 0.1 s once a beat answered."""
     client = ScriptedClient(ok(0.3), claim_lease=0.6)
     beats_at: list[float] = []
 
@@ -815,7 +863,7 @@ def test_scripted_without_a_lease_the_beat_is_heartbeat_interval() -> None:
     log = run_scripted(
         client, lambda: "CompleteTask" in client.log, handler, heartbeat_interval=0.2
     )
-    assert log.count("HeartbeatTask") == 3  # the confirmation, then at 0.2 s and 0.4 s
+    assert log.count("HeartbeatTask") == 2  # at 0.2 s and 0.4 s (ConfirmClaim is no beat)
 
 
 def test_scripted_a_cancel_request_cancels_the_handler_and_reports_its_cost() -> None:
@@ -833,7 +881,7 @@ def test_scripted_a_cancel_request_cancels_the_handler_and_reports_its_cost() ->
 
     log = run_scripted(client, lambda: "FailTask" in client.log, handler)
     assert seen == [True]
-    assert log == ["UpsertTool", "HeartbeatTask", "HeartbeatTask", "FailTask"]
+    assert log == ["UpsertTool", "ConfirmClaim", "HeartbeatTask", "HeartbeatTask", "FailTask"]
     [report] = [r for r in client.requests if isinstance(r, task_pb2.FailTaskRequest)]
     assert report.failure == task_pb2.FAILURE_KIND_CANCELLED
     assert (report.error, report.lease_token) == ("cancelled", "token-1")
@@ -841,9 +889,9 @@ def test_scripted_a_cancel_request_cancels_the_handler_and_reports_its_cost() ->
 
 
 def test_scripted_a_cancel_before_the_start_runs_nothing() -> None:
-    client = ScriptedClient(ok(cancel=True))
+    client = ScriptedClient(ok(), confirm=confirm_all(cancel=True))
     log = run_scripted(client, lambda: "FailTask" in client.log)
-    assert log == ["UpsertTool", "HeartbeatTask", "FailTask"]
+    assert log == ["UpsertTool", "ConfirmClaim", "FailTask"]
     [report] = [r for r in client.requests if isinstance(r, task_pb2.FailTaskRequest)]
     assert (report.failure, report.reported_usage.cost_nanos) == (
         task_pb2.FAILURE_KIND_CANCELLED,
@@ -870,7 +918,14 @@ class CountingClient(GenqClient):
         COUNTING.append(self)
 
     async def call(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
-        items = len(request.tasks) if "tasks" in request.DESCRIPTOR.fields_by_name else 1
+        fields = request.DESCRIPTOR.fields_by_name
+        items = (
+            len(request.tasks)
+            if "tasks" in fields
+            else len(request.task_ids)
+            if "task_ids" in fields
+            else 1
+        )
         self.calls.append((method, items))
         self.sent.append(time.monotonic())
         response = await super().call(method, request, timeout=timeout)
@@ -925,8 +980,8 @@ def completed_once(db: Db, task_ids: list[str]) -> None:
 def test_eight_lanes_drain_fifty_tasks_in_few_calls(
     service: ServiceProcess, db: Db, counting: list[CountingClient]
 ) -> None:
-    """8 lanes, 50 quick tasks: the claims ask for the free lanes, the confirmations of a claim
-    go in one HeartbeatTasks, and the completions share CompleteTasks. Far fewer calls than
+    """8 lanes, 50 quick tasks: the claims ask for the free lanes, each claim is confirmed by
+    one ConfirmClaim, and the completions share CompleteTasks. Far fewer calls than
     tasks, each task completed once, one attempt each in the ledger."""
     name = tool_name()
     tool_id = service.stub.UpsertTool(task_pb2.UpsertToolRequest(name=name)).tool.id
@@ -952,9 +1007,9 @@ def test_eight_lanes_drain_fifty_tasks_in_few_calls(
     reports = client.count("CompleteTask", "CompleteTasks")
     assert client.items("CompleteTask", "CompleteTasks") == 50
     assert reports <= 50 / 4, client.calls
-    beats = client.count("HeartbeatTask", "HeartbeatTasks")
-    assert client.items("HeartbeatTask", "HeartbeatTasks") >= 50  # every claim confirmed
-    assert beats <= 50 / 4, client.calls
+    assert client.count("ConfirmClaim") == len(claims), client.calls  # one per claim
+    assert client.items("ConfirmClaim") == 50  # every claimed task confirmed
+    assert client.count("HeartbeatTask", "HeartbeatTasks") == 0  # quick: no beat due
     assert client.count("FailTask", "FailTasks", "ReleaseTask") == 0
 
 
@@ -1233,7 +1288,10 @@ class BatchScriptedClient(ScriptedClient):
             claimed, self.queued = self.queued[: request.limit], self.queued[request.limit :]
             return task_pb2.ClaimTasksResponse(
                 tasks=[
-                    task_pb2.ClaimedTask(task=task_pb2.Task(id=t), lease_token=f"token-{t}")
+                    # The tasks of one claim share its token.
+                    task_pb2.ClaimedTask(
+                        task=task_pb2.Task(id=t), lease_token=f"token-{claimed[0]}"
+                    )
                     for t in claimed
                 ],
                 lease=lease(30),
@@ -1287,10 +1345,10 @@ def test_scripted_a_batch_that_fails_unavailable_is_retried_together() -> None:
         await asyncio.wait_for(work, 10)
 
     asyncio.run(main())
-    assert client.batches == [("HeartbeatTasks", 3), ("CompleteTasks", 3), ("CompleteTasks", 3)]
+    assert client.batches == [("CompleteTasks", 3), ("CompleteTasks", 3)]
     assert [entry for entry in client.log if entry != "ClaimTasks"] == [
         "UpsertTool",
-        "HeartbeatTasks",
+        "ConfirmClaim",
         "CompleteTasks",
         "CompleteTasks",
     ]
@@ -1330,7 +1388,7 @@ def test_scripted_a_claim_that_comes_in_after_the_drain_deadline_is_handed_back_
     asyncio.run(main())
     assert [entry for entry in client.log if entry != "ClaimNextTask"] == [
         "UpsertTool",
-        "HeartbeatTask",
+        "ConfirmClaim",
         "ReleaseTask",
     ]
 
@@ -1527,3 +1585,40 @@ def test_scripted_with_nothing_traced_a_task_costs_no_context_switch(
 
     run_batch_scripted(client, handler, lambda: completions(client) == 30, concurrency=4)
     assert attached == []
+
+
+def test_scripted_one_confirmation_per_claim_runs_only_what_it_confirms() -> None:
+    """A claim of three: one ConfirmClaim with the claim's token and its three ids answers
+    task-0 confirmed, task-1 left out (lost), task-2 confirmed with a cancel asked for: task-0
+    runs and completes, task-1 neither runs nor reports, task-2 ends cancelled unrun."""
+    client = BatchScriptedClient(3, lambda n, request: completed_batch(request))
+
+    def confirm(n: int, request: task_pb2.ConfirmClaimRequest) -> task_pb2.ConfirmClaimResponse:
+        return task_pb2.ConfirmClaimResponse(
+            task_ids=["task-0", "task-2"], cancel_requested_task_ids=["task-2"]
+        )
+
+    client.confirm = confirm
+    ran: list[str] = []
+
+    async def handler(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
+        ran.append(task.id)
+        return {}
+
+    run_batch_scripted(
+        client, handler, lambda: "CompleteTask" in client.log and "FailTask" in client.log
+    )
+    [request] = [r for r in client.requests if isinstance(r, task_pb2.ConfirmClaimRequest)]
+    assert (request.lease_token, list(request.task_ids)) == (
+        "token-task-0",
+        ["task-0", "task-1", "task-2"],
+    )
+    assert ran == ["task-0"]
+    reports = [
+        (type(r).__name__, r.task_id)
+        for r in client.requests
+        if isinstance(r, (task_pb2.CompleteTaskRequest, task_pb2.FailTaskRequest))
+    ]
+    assert sorted(reports) == [("CompleteTaskRequest", "task-0"), ("FailTaskRequest", "task-2")]
+    [cancel] = [r for r in client.requests if isinstance(r, task_pb2.FailTaskRequest)]
+    assert cancel.failure == task_pb2.FAILURE_KIND_CANCELLED

@@ -66,7 +66,8 @@ CREATE TABLE generation.tasks (
     billing_idempotency_key text,
     w3c_traceparent text,
     reported_usage jsonb,
-    -- The lease: who holds the task (lease_token fences every write) and until when.
+    -- The lease: who holds the task and until when. The tasks of one claim share its token;
+    -- the pair (id, lease_token) fences every write.
     lease_token uuid,
     claim_expires_at timestamptz,
     -- Set when a lapsed or lost claim put the task back: it is claimed ahead of fresh work.
@@ -90,7 +91,9 @@ CREATE TABLE generation.tasks (
     -- When it last entered the queue (enqueue, requeue, retry, release, rescue): the watchdog's
     -- clock starts here at the earliest.
     queued_at timestamptz NOT NULL DEFAULT now(),
-    -- The claimer confirmed the claim (first heartbeat, event or report): the run counts.
+    -- The claimer confirmed the run (its first heartbeat or event): the run counts. ConfirmClaim
+    -- confirms a whole claim in claim_confirmations instead; generation.claim_confirmed_v1 reads
+    -- both.
     lease_confirmed boolean NOT NULL DEFAULT false,
     -- Claims whose answer never reached a worker; at 20 the task fails ("claim answers lost").
     unconfirmed_claims integer NOT NULL DEFAULT 0,
@@ -288,7 +291,6 @@ CREATE TABLE generation.attempts (
     started_at timestamptz NOT NULL DEFAULT now(),
     ended_at timestamptz,
     PRIMARY KEY (task_id, attempt),
-    CONSTRAINT attempts_lease_token_key UNIQUE (lease_token),
     CONSTRAINT attempts_money_nonnegative CHECK (estimate_nanos >= 0 AND cost_nanos >= 0)
 )
 -- Every run's row is updated once, when the run ends; the ledger only grows, so a vacuum at 20 %
@@ -300,6 +302,14 @@ CREATE INDEX attempts_tool_started_idx ON generation.attempts (tool_id, started_
 CREATE INDEX attempts_ended_idx ON generation.attempts (ended_at);
 -- Runs in flight per resource key, for its concurrency limit.
 CREATE INDEX attempts_running_idx ON generation.attempts (resource_key) WHERE outcome = 'running';
+
+-- The claims their worker confirmed with ConfirmClaim, by the token the claim's tasks share: a
+-- task holding a token found here counts as confirmed (generation.claim_confirmed_v1). A row
+-- matters only while a task holds its token; PurgeTasks deletes the rows no running task holds.
+CREATE TABLE generation.claim_confirmations (
+    lease_token uuid PRIMARY KEY,
+    confirmed_at timestamptz NOT NULL DEFAULT now()
+);
 
 -- When a worker last asked for each tool's work (a claim call, claimed or not).
 CREATE TABLE generation.tool_polls (
@@ -356,8 +366,8 @@ CREATE TABLE generation.audit (
 );
 
 -- The write transitions, one function each (docs/ARCHITECTURE.md: "Transitions"). Each locks what
--- it changes first, then decides, in the one lock order: task rows, attempts, resource limits,
--- tools, settings, cooldowns and holds, tool_polls. Once 0.1.0 is released, a change adds the
+-- it changes first, then decides, in the one lock order: task rows, claim confirmations,
+-- attempts, resource limits, tools, settings, cooldowns and holds, tool_polls. Once 0.1.0 is released, a change adds the
 -- function's next version beside it (docs/OPERATIONS.md, "Upgrading").
 
 -- Whether a cost fits under a cap, given the spend counters: spend counts on `today` only, an
@@ -529,6 +539,17 @@ BEGIN
 END
 $$;
 
+-- Whether the claimer confirmed the run of t (the row as its caller locked it): its first
+-- heartbeat or event set lease_confirmed, or ConfirmClaim recorded its claim's token. The caller
+-- reads it in a statement after the one that locked t, so a confirmation that committed while it
+-- waited for the lock is seen.
+CREATE FUNCTION generation.claim_confirmed_v1(t generation.tasks) RETURNS boolean
+LANGUAGE sql STABLE
+AS $$
+    SELECT t.lease_confirmed OR EXISTS (
+        SELECT 1 FROM generation.claim_confirmations AS c WHERE c.lease_token = t.lease_token)
+$$;
+
 -- A claim whose answer never reached a worker: the task goes back to the queue at once, first
 -- in line, and the run costs no retry: nothing ran. p_lapsed: its unconfirmed lease lapsed (the
 -- answer was lost on the way); such losses are counted, and at 20 the task fails with "claim
@@ -585,7 +606,7 @@ DECLARE
     prior uuid;
     ending text;
 BEGIN
-    IF NOT t.lease_confirmed THEN
+    IF NOT generation.claim_confirmed_v1(t) THEN
         RETURN QUERY SELECT * FROM generation.hand_back_unconfirmed_v1(t, true);
         RETURN;
     END IF;
@@ -773,8 +794,8 @@ END
 $$;
 
 -- Claims up to p_limit tasks of a tool, in claim order: reclaimed zombies first, then priority
--- (higher first), then FIFO. Each starts a run: a fresh lease token, an attempt in the ledger,
--- a `started` event. Spend is admitted task by task and the batch stops at the first task the
+-- (higher first), then FIFO. Each starts a run: an attempt in the ledger, a `started` event,
+-- under the claim's one fresh lease token (the pair of task id and token fences each run). Spend is admitted task by task and the batch stops at the first task the
 -- caps have no room for. A task estimated above the cap in force (the tool's own, or the global
 -- one) cannot run whatever today's spend: the claim passes over it, so it holds back neither its
 -- tool nor the tasks behind it, and it runs in its place once the cap is raised; a claim that
@@ -832,6 +853,7 @@ DECLARE
     head record;
     has_head boolean;
     gate record;
+    token uuid := gen_random_uuid();
 BEGIN
     -- 0. The local day cannot move under a claim: a time-zone change that moves it waits for
     --    claims in flight, and they for it (update_settings_v1).
@@ -892,7 +914,7 @@ BEGIN
             SET status = 'processing',
                 started_at = COALESCE(t.started_at, now()),
                 claim_expires_at = now() + make_interval(secs => gate.lease),
-                lease_token = gen_random_uuid(),
+                lease_token = token,
                 lease_confirmed = false,
                 reclaimed = false,
                 attempt_count = t.attempt_count + 1,
@@ -1148,14 +1170,14 @@ BEGIN
         WHERE t.id = p_tool;
     END IF;
 
-    -- 8. Start the runs: a fresh, unconfirmed lease each, an attempt, a `started` event.
+    -- 8. Start the runs: the claim's fresh, unconfirmed lease, an attempt, a `started` event each.
     RETURN QUERY
     WITH started AS (
         UPDATE generation.tasks AS t
         SET status = 'processing',
             started_at = COALESCE(t.started_at, now()),
             claim_expires_at = now() + make_interval(secs => lease),
-            lease_token = gen_random_uuid(),
+            lease_token = token,
             lease_confirmed = false,
             reclaimed = false,
             attempt_count = t.attempt_count + 1,
@@ -1257,6 +1279,40 @@ BEGIN
            beat.claim_expires_at, beat.lease, beat.cancel
     FROM item
     LEFT JOIN beat ON beat.id = item.task_id AND beat.lease_token = item.lease_token;
+END
+$$;
+
+-- ConfirmClaim: the worker received a claim's answer, so the runs of the claim it still holds
+-- count from now on (a lapse costs a retry). One row per claim, not a write per task: the tasks
+-- are only locked, and the token recorded once. Sent again after a lost answer, it answers the
+-- same. One row per task held, in request order; the others are lost to the worker.
+CREATE FUNCTION generation.confirm_claim_v1(p_tool uuid, p_token uuid, p_tasks uuid[])
+RETURNS TABLE (task_id uuid, cancel_requested boolean)
+LANGUAGE plpgsql
+AS $$
+#variable_conflict use_column
+BEGIN
+    -- 1. Lock the claim's tasks in id order, FOR SHARE: the weakest lock every writer of a task
+    --    row waits for (the service's hand-back of an undeliverable claim, the rescuer, a
+    --    report), so each either finds this confirmation committed or has already taken the
+    --    task from the claim, which then is not held below; two confirms do not wait on each
+    --    other.
+    PERFORM 1 FROM generation.tasks AS t WHERE t.id = ANY (p_tasks) ORDER BY t.id FOR SHARE;
+    -- 2. Record the claim's confirmation once, when it still holds any of them.
+    INSERT INTO generation.claim_confirmations (lease_token)
+    SELECT p_token
+    WHERE EXISTS (SELECT 1 FROM generation.tasks AS t
+                  WHERE t.id = ANY (p_tasks) AND t.tool_id = p_tool AND t.lease_token = p_token
+                    AND t.claim_expires_at > now())
+    ON CONFLICT (lease_token) DO NOTHING;
+    -- 3. Answer the tasks held, in request order, with whether a cancel was asked for.
+    RETURN QUERY
+    SELECT t.id, t.cancel_requested_at IS NOT NULL
+    FROM unnest(p_tasks) WITH ORDINALITY AS r(id, n)
+    JOIN generation.tasks AS t ON t.id = r.id
+    WHERE t.id = ANY (p_tasks) AND t.tool_id = p_tool AND t.lease_token = p_token
+      AND t.claim_expires_at > now()
+    ORDER BY r.n;
 END
 $$;
 
@@ -1499,8 +1555,8 @@ $$;
 -- find those rows held, so two batches over the same tools or keys, or a batch and the rescuer,
 -- do not wait on each other in a cycle; failures claim the cooldown and hold rows they may
 -- create before any such row is locked. The rows are found through index conditions on the
--- batch's own keys (`= ANY` of its task ids, of its lease tokens), which bound the scans whatever
--- the statistics say, and what the later locks need is read from the attempts once.
+-- batch's own task ids (`= ANY`: the tasks by id, their attempts by the primary key's task id),
+-- which bound the scans whatever the statistics say, and what the later locks need is read from the attempts once.
 -- p_items: [{task_id, lease_token, failure, cost_nanos, resource_key}, ...].
 CREATE FUNCTION generation.lock_reported_v1(p_items jsonb) RETURNS void
 LANGUAGE plpgsql
@@ -1508,8 +1564,6 @@ SET plan_cache_mode = force_generic_plan SET enable_seqscan = off SET jit = off
 AS $$
 DECLARE
     ids uuid[] := ARRAY(SELECT (x ->> 'task_id')::uuid FROM jsonb_array_elements(p_items) AS x);
-    tokens uuid[] := ARRAY(
-        SELECT (x ->> 'lease_token')::uuid FROM jsonb_array_elements(p_items) AS x);
     tools uuid[];
     grows boolean;
     keys text[];
@@ -1535,7 +1589,7 @@ BEGIN
               AS i(task_id uuid, lease_token uuid, failure text, cost_nanos bigint,
                    resource_key text)
             ON i.lease_token = a.lease_token AND i.task_id = a.task_id
-          WHERE a.lease_token = ANY (tokens)
+          WHERE a.task_id = ANY (ids)
           ORDER BY a.task_id, a.attempt
           FOR NO KEY UPDATE OF a) AS r;
     -- 3. The tools money moves on (a reservation to release, a cost to add).
@@ -1747,7 +1801,7 @@ BEGIN
     END IF;
     IF t.status = 'processing' AND t.lease_token = p_token AND t.claim_expires_at > now() THEN
         IF p_unconfirmed THEN
-            IF t.lease_confirmed THEN  -- the worker has it after all: leave it alone
+            IF generation.claim_confirmed_v1(t) THEN  -- the worker has it: leave it alone
                 RETURN QUERY SELECT true, t, NULL::jsonb;
                 RETURN;
             END IF;

@@ -1025,6 +1025,64 @@ class HeartbeatTasksResponse(_message.Message):
 Global___HeartbeatTasksResponse: _TypeAlias = HeartbeatTasksResponse  # noqa: Y015
 
 @_typing.final
+class ConfirmClaimRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOOL_ID_FIELD_NUMBER: _builtins.int
+    LEASE_TOKEN_FIELD_NUMBER: _builtins.int
+    TASK_IDS_FIELD_NUMBER: _builtins.int
+    tool_id: _builtins.str
+    """The tool of the claim."""
+    lease_token: _builtins.str
+    """The claim's lease token (every task of one claim has the same)."""
+    @_builtins.property
+    def task_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The claim's tasks as the worker received them: 1 to 1,000, no repeats."""
+
+    def __init__(
+        self,
+        *,
+        tool_id: _builtins.str = ...,
+        lease_token: _builtins.str = ...,
+        task_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_token", b"lease_token", "task_ids", b"task_ids", "tool_id", b"tool_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ConfirmClaimRequest: _TypeAlias = ConfirmClaimRequest  # noqa: Y015
+
+@_typing.final
+class ConfirmClaimResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_IDS_FIELD_NUMBER: _builtins.int
+    CANCEL_REQUESTED_TASK_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def task_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The tasks the claim holds, now confirmed, in request order: run these only."""
+
+    @_builtins.property
+    def cancel_requested_task_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Those of task_ids whose cancel was asked for: end them cancelled."""
+
+    def __init__(
+        self,
+        *,
+        task_ids: _abc.Iterable[_builtins.str] | None = ...,
+        cancel_requested_task_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel_requested_task_ids", b"cancel_requested_task_ids", "task_ids", b"task_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ConfirmClaimResponse: _TypeAlias = ConfirmClaimResponse  # noqa: Y015
+
+@_typing.final
 class CompleteTasksRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -84,6 +84,11 @@ class GenerationDataServiceStub:
                 request_serializer=generation_dot_task_dot_v1_dot_task__pb2.HeartbeatTasksRequest.SerializeToString,
                 response_deserializer=generation_dot_task_dot_v1_dot_task__pb2.HeartbeatTasksResponse.FromString,
                 _registered_method=True)
+        self.ConfirmClaim = channel.unary_unary(
+                '/generation.task.v1.GenerationDataService/ConfirmClaim',
+                request_serializer=generation_dot_task_dot_v1_dot_task__pb2.ConfirmClaimRequest.SerializeToString,
+                response_deserializer=generation_dot_task_dot_v1_dot_task__pb2.ConfirmClaimResponse.FromString,
+                _registered_method=True)
         self.CompleteTasks = channel.unary_unary(
                 '/generation.task.v1.GenerationDataService/CompleteTasks',
                 request_serializer=generation_dot_task_dot_v1_dot_task__pb2.CompleteTasksRequest.SerializeToString,
@@ -273,8 +278,8 @@ class GenerationDataServiceServicer:
         returns empty when the wait runs out.
         Order: reclaimed zombies first, then priority (higher first), then FIFO. Rows whose retries
         are used up are never claimed. A claim costs no retry: a run is charged when it ends
-        unsuccessfully, and only once its worker confirmed the claim (its first heartbeat, event or
-        report). When the caller's deadline passes before the answer leaves, the service hands the
+        unsuccessfully, and only once its worker confirmed the claim (ConfirmClaim, or its first
+        heartbeat or event). When the caller's deadline passes before the answer leaves, the service hands the
         task straight back (release_task_v1 with p_unconfirmed); an answer lost on the way costs
         nothing either: the unconfirmed lease lapses and the task is queued again, first in line.
         """
@@ -321,7 +326,9 @@ class GenerationDataServiceServicer:
         tool is at its max_in_flight; tasks whose resource key is at its limit are passed over
         (IDLE_REASON_BUSY when that leaves nothing). `wait` as in
         ClaimNextTask: with nothing to claim it parks until a task is committed or the wait runs
-        out. Each task has its own lease token; they share the lease length.
+        out. The tasks of one claim share one lease token and the lease length; each write is fenced
+        by the pair (task_id, lease_token), so a token never reaches another claim's task.
+        ConfirmClaim confirms the whole claim in one call.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -331,6 +338,18 @@ class GenerationDataServiceServicer:
         """Extends many leases in one call, each fenced by its own token, with a result per item in
         request order (heartbeat_tasks_v1: the tasks locked in id order, so that two batches never
         wait on each other in a cycle, then every held lease extended in one statement).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ConfirmClaim(self, request, context):
+        """Confirms a claim's answer arrived: the worker sends the claim's token and its tasks as it
+        received them, before running them (generation.confirm_claim_v1). The answer lists the tasks
+        the claim still holds, now confirmed (a lapse of their lease costs a retry from here on);
+        the others are lost (handed back, lapsed, or never the claim's) and the worker must not run
+        them. It writes one row per claim, not one per task, and extends no lease (heartbeats do).
+        Sent again after a lost answer, it answers the same.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -479,7 +498,8 @@ class GenerationDataServiceServicer:
     def PurgeTasks(self, request, context):
         """Deletes up to `batch_size` finished tasks older than the retention (settings.retention_days,
         30; 0 keeps everything), never one whose reservation is not settled yet. Their events go with
-        them; the attempts ledger and the settlements keep the money history. Call until it purges 0.
+        them; the attempts ledger and the settlements keep the money history. Claim confirmations no
+        running task holds go too. Call until it purges 0.
         With dry_run it counts every task it would delete, in all batches, and deletes none.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -600,6 +620,11 @@ def add_GenerationDataServiceServicer_to_server(servicer, server):
                     servicer.HeartbeatTasks,
                     request_deserializer=generation_dot_task_dot_v1_dot_task__pb2.HeartbeatTasksRequest.FromString,
                     response_serializer=generation_dot_task_dot_v1_dot_task__pb2.HeartbeatTasksResponse.SerializeToString,
+            ),
+            'ConfirmClaim': grpc.unary_unary_rpc_method_handler(
+                    servicer.ConfirmClaim,
+                    request_deserializer=generation_dot_task_dot_v1_dot_task__pb2.ConfirmClaimRequest.FromString,
+                    response_serializer=generation_dot_task_dot_v1_dot_task__pb2.ConfirmClaimResponse.SerializeToString,
             ),
             'CompleteTasks': grpc.unary_unary_rpc_method_handler(
                     servicer.CompleteTasks,
@@ -975,6 +1000,33 @@ class GenerationDataService:
             '/generation.task.v1.GenerationDataService/HeartbeatTasks',
             generation_dot_task_dot_v1_dot_task__pb2.HeartbeatTasksRequest.SerializeToString,
             generation_dot_task_dot_v1_dot_task__pb2.HeartbeatTasksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ConfirmClaim(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/generation.task.v1.GenerationDataService/ConfirmClaim',
+            generation_dot_task_dot_v1_dot_task__pb2.ConfirmClaimRequest.SerializeToString,
+            generation_dot_task_dot_v1_dot_task__pb2.ConfirmClaimResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -79,8 +79,8 @@ class GenerationDataServiceStub:
     returns empty when the wait runs out.
     Order: reclaimed zombies first, then priority (higher first), then FIFO. Rows whose retries
     are used up are never claimed. A claim costs no retry: a run is charged when it ends
-    unsuccessfully, and only once its worker confirmed the claim (its first heartbeat, event or
-    report). When the caller's deadline passes before the answer leaves, the service hands the
+    unsuccessfully, and only once its worker confirmed the claim (ConfirmClaim, or its first
+    heartbeat or event). When the caller's deadline passes before the answer leaves, the service hands the
     task straight back (release_task_v1 with p_unconfirmed); an answer lost on the way costs
     nothing either: the unconfirmed lease lapses and the task is queued again, first in line.
     """
@@ -111,12 +111,22 @@ class GenerationDataServiceStub:
     tool is at its max_in_flight; tasks whose resource key is at its limit are passed over
     (IDLE_REASON_BUSY when that leaves nothing). `wait` as in
     ClaimNextTask: with nothing to claim it parks until a task is committed or the wait runs
-    out. Each task has its own lease token; they share the lease length.
+    out. The tasks of one claim share one lease token and the lease length; each write is fenced
+    by the pair (task_id, lease_token), so a token never reaches another claim's task.
+    ConfirmClaim confirms the whole claim in one call.
     """
     HeartbeatTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.HeartbeatTasksRequest, _task_pb2.HeartbeatTasksResponse]
     """Extends many leases in one call, each fenced by its own token, with a result per item in
     request order (heartbeat_tasks_v1: the tasks locked in id order, so that two batches never
     wait on each other in a cycle, then every held lease extended in one statement).
+    """
+    ConfirmClaim: _grpc.UnaryUnaryMultiCallable[_task_pb2.ConfirmClaimRequest, _task_pb2.ConfirmClaimResponse]
+    """Confirms a claim's answer arrived: the worker sends the claim's token and its tasks as it
+    received them, before running them (generation.confirm_claim_v1). The answer lists the tasks
+    the claim still holds, now confirmed (a lapse of their lease costs a retry from here on);
+    the others are lost (handed back, lapsed, or never the claim's) and the worker must not run
+    them. It writes one row per claim, not one per task, and extends no lease (heartbeats do).
+    Sent again after a lost answer, it answers the same.
     """
     CompleteTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.CompleteTasksRequest, _task_pb2.CompleteTasksResponse]
     """Completes many held tasks in one call, each as CompleteTask does (fenced by its own lease,
@@ -196,7 +206,8 @@ class GenerationDataServiceStub:
     PurgeTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.PurgeTasksRequest, _task_pb2.PurgeTasksResponse]
     """Deletes up to `batch_size` finished tasks older than the retention (settings.retention_days,
     30; 0 keeps everything), never one whose reservation is not settled yet. Their events go with
-    them; the attempts ledger and the settlements keep the money history. Call until it purges 0.
+    them; the attempts ledger and the settlements keep the money history. Claim confirmations no
+    running task holds go too. Call until it purges 0.
     With dry_run it counts every task it would delete, in all batches, and deletes none.
     """
     GetStats: _grpc.UnaryUnaryMultiCallable[_task_pb2.GetStatsRequest, _task_pb2.GetStatsResponse]
@@ -282,8 +293,8 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     returns empty when the wait runs out.
     Order: reclaimed zombies first, then priority (higher first), then FIFO. Rows whose retries
     are used up are never claimed. A claim costs no retry: a run is charged when it ends
-    unsuccessfully, and only once its worker confirmed the claim (its first heartbeat, event or
-    report). When the caller's deadline passes before the answer leaves, the service hands the
+    unsuccessfully, and only once its worker confirmed the claim (ConfirmClaim, or its first
+    heartbeat or event). When the caller's deadline passes before the answer leaves, the service hands the
     task straight back (release_task_v1 with p_unconfirmed); an answer lost on the way costs
     nothing either: the unconfirmed lease lapses and the task is queued again, first in line.
     """
@@ -314,12 +325,22 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     tool is at its max_in_flight; tasks whose resource key is at its limit are passed over
     (IDLE_REASON_BUSY when that leaves nothing). `wait` as in
     ClaimNextTask: with nothing to claim it parks until a task is committed or the wait runs
-    out. Each task has its own lease token; they share the lease length.
+    out. The tasks of one claim share one lease token and the lease length; each write is fenced
+    by the pair (task_id, lease_token), so a token never reaches another claim's task.
+    ConfirmClaim confirms the whole claim in one call.
     """
     HeartbeatTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.HeartbeatTasksRequest, _task_pb2.HeartbeatTasksResponse]  # type: ignore[assignment]
     """Extends many leases in one call, each fenced by its own token, with a result per item in
     request order (heartbeat_tasks_v1: the tasks locked in id order, so that two batches never
     wait on each other in a cycle, then every held lease extended in one statement).
+    """
+    ConfirmClaim: _aio.UnaryUnaryMultiCallable[_task_pb2.ConfirmClaimRequest, _task_pb2.ConfirmClaimResponse]  # type: ignore[assignment]
+    """Confirms a claim's answer arrived: the worker sends the claim's token and its tasks as it
+    received them, before running them (generation.confirm_claim_v1). The answer lists the tasks
+    the claim still holds, now confirmed (a lapse of their lease costs a retry from here on);
+    the others are lost (handed back, lapsed, or never the claim's) and the worker must not run
+    them. It writes one row per claim, not one per task, and extends no lease (heartbeats do).
+    Sent again after a lost answer, it answers the same.
     """
     CompleteTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.CompleteTasksRequest, _task_pb2.CompleteTasksResponse]  # type: ignore[assignment]
     """Completes many held tasks in one call, each as CompleteTask does (fenced by its own lease,
@@ -399,7 +420,8 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     PurgeTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.PurgeTasksRequest, _task_pb2.PurgeTasksResponse]  # type: ignore[assignment]
     """Deletes up to `batch_size` finished tasks older than the retention (settings.retention_days,
     30; 0 keeps everything), never one whose reservation is not settled yet. Their events go with
-    them; the attempts ledger and the settlements keep the money history. Call until it purges 0.
+    them; the attempts ledger and the settlements keep the money history. Claim confirmations no
+    running task holds go too. Call until it purges 0.
     With dry_run it counts every task it would delete, in all batches, and deletes none.
     """
     GetStats: _aio.UnaryUnaryMultiCallable[_task_pb2.GetStatsRequest, _task_pb2.GetStatsResponse]  # type: ignore[assignment]
@@ -506,8 +528,8 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         returns empty when the wait runs out.
         Order: reclaimed zombies first, then priority (higher first), then FIFO. Rows whose retries
         are used up are never claimed. A claim costs no retry: a run is charged when it ends
-        unsuccessfully, and only once its worker confirmed the claim (its first heartbeat, event or
-        report). When the caller's deadline passes before the answer leaves, the service hands the
+        unsuccessfully, and only once its worker confirmed the claim (ConfirmClaim, or its first
+        heartbeat or event). When the caller's deadline passes before the answer leaves, the service hands the
         task straight back (release_task_v1 with p_unconfirmed); an answer lost on the way costs
         nothing either: the unconfirmed lease lapses and the task is queued again, first in line.
         """
@@ -562,7 +584,9 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         tool is at its max_in_flight; tasks whose resource key is at its limit are passed over
         (IDLE_REASON_BUSY when that leaves nothing). `wait` as in
         ClaimNextTask: with nothing to claim it parks until a task is committed or the wait runs
-        out. Each task has its own lease token; they share the lease length.
+        out. The tasks of one claim share one lease token and the lease length; each write is fenced
+        by the pair (task_id, lease_token), so a token never reaches another claim's task.
+        ConfirmClaim confirms the whole claim in one call.
         """
 
     @_abc_1.abstractmethod
@@ -574,6 +598,20 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         """Extends many leases in one call, each fenced by its own token, with a result per item in
         request order (heartbeat_tasks_v1: the tasks locked in id order, so that two batches never
         wait on each other in a cycle, then every held lease extended in one statement).
+        """
+
+    @_abc_1.abstractmethod
+    def ConfirmClaim(
+        self,
+        request: _task_pb2.ConfirmClaimRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_task_pb2.ConfirmClaimResponse, _abc.Awaitable[_task_pb2.ConfirmClaimResponse]]:
+        """Confirms a claim's answer arrived: the worker sends the claim's token and its tasks as it
+        received them, before running them (generation.confirm_claim_v1). The answer lists the tasks
+        the claim still holds, now confirmed (a lapse of their lease costs a retry from here on);
+        the others are lost (handed back, lapsed, or never the claim's) and the worker must not run
+        them. It writes one row per claim, not one per task, and extends no lease (heartbeats do).
+        Sent again after a lost answer, it answers the same.
         """
 
     @_abc_1.abstractmethod
@@ -755,7 +793,8 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_task_pb2.PurgeTasksResponse, _abc.Awaitable[_task_pb2.PurgeTasksResponse]]:
         """Deletes up to `batch_size` finished tasks older than the retention (settings.retention_days,
         30; 0 keeps everything), never one whose reservation is not settled yet. Their events go with
-        them; the attempts ledger and the settlements keep the money history. Call until it purges 0.
+        them; the attempts ledger and the settlements keep the money history. Claim confirmations no
+        running task holds go too. Call until it purges 0.
         With dry_run it counts every task it would delete, in all batches, and deletes none.
         """
 
