@@ -95,6 +95,8 @@ def test_a_token_task_mismatch_or_a_stolen_lease_answers_the_task_lost(
     assert list(confirm(stub, tool_id, mine.lease_token, [other.id]).task_ids) == []
     assert list(confirm(stub, tool_id, WRONG_TOKEN, [task.id]).task_ids) == []
     assert list(confirm(stub, tool_id, mine.lease_token, [WRONG_TOKEN]).task_ids) == []
+    stranger = stub.UpsertTool(task_pb2.UpsertToolRequest(name=f"other-{task.id}")).tool.id
+    assert list(confirm(stub, stranger, mine.lease_token, [task.id]).task_ids) == []
     assert confirmations(db, mine.lease_token) == 0
     assert confirmations(db, WRONG_TOKEN) == 0
 

@@ -1297,7 +1297,10 @@ BEGIN
     --    report), so each either finds this confirmation committed or has already taken the
     --    task from the claim, which then is not held below; two confirms do not wait on each
     --    other.
-    PERFORM 1 FROM generation.tasks AS t WHERE t.id = ANY (p_tasks) ORDER BY t.id FOR SHARE;
+    --    Only the tool's own rows: a caller names the tool its token reaches.
+    PERFORM 1 FROM generation.tasks AS t WHERE t.id = ANY (p_tasks) AND t.tool_id = p_tool
+    ORDER BY t.id
+    FOR SHARE;
     -- 2. Record the claim's confirmation once, when it still holds any of them.
     INSERT INTO generation.claim_confirmations (lease_token)
     SELECT p_token
