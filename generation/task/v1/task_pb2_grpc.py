@@ -282,6 +282,8 @@ class GenerationDataServiceServicer:
         heartbeat or event). When the caller's deadline passes before the answer leaves, the service hands the
         task straight back (release_task_v1 with p_unconfirmed); an answer lost on the way costs
         nothing either: the unconfirmed lease lapses and the task is queued again, first in line.
+        The answer is a claim of one task: the pair (task id, lease token) fences every later write,
+        and ConfirmClaim with that token and task confirms it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -83,6 +83,8 @@ class GenerationDataServiceStub:
     heartbeat or event). When the caller's deadline passes before the answer leaves, the service hands the
     task straight back (release_task_v1 with p_unconfirmed); an answer lost on the way costs
     nothing either: the unconfirmed lease lapses and the task is queued again, first in line.
+    The answer is a claim of one task: the pair (task id, lease token) fences every later write,
+    and ConfirmClaim with that token and task confirms it.
     """
     HeartbeatTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.HeartbeatTaskRequest, _task_pb2.HeartbeatTaskResponse]
     """Extends the lease of a task the caller still holds and confirms its claim; says whether a
@@ -297,6 +299,8 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     heartbeat or event). When the caller's deadline passes before the answer leaves, the service hands the
     task straight back (release_task_v1 with p_unconfirmed); an answer lost on the way costs
     nothing either: the unconfirmed lease lapses and the task is queued again, first in line.
+    The answer is a claim of one task: the pair (task id, lease token) fences every later write,
+    and ConfirmClaim with that token and task confirms it.
     """
     HeartbeatTask: _aio.UnaryUnaryMultiCallable[_task_pb2.HeartbeatTaskRequest, _task_pb2.HeartbeatTaskResponse]  # type: ignore[assignment]
     """Extends the lease of a task the caller still holds and confirms its claim; says whether a
@@ -532,6 +536,8 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         heartbeat or event). When the caller's deadline passes before the answer leaves, the service hands the
         task straight back (release_task_v1 with p_unconfirmed); an answer lost on the way costs
         nothing either: the unconfirmed lease lapses and the task is queued again, first in line.
+        The answer is a claim of one task: the pair (task id, lease token) fences every later write,
+        and ConfirmClaim with that token and task confirms it.
         """
 
     @_abc_1.abstractmethod
