@@ -207,8 +207,9 @@ class GenerationDataServiceStub:
     """
     PurgeTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.PurgeTasksRequest, _task_pb2.PurgeTasksResponse]
     """Deletes up to `batch_size` finished tasks older than the retention (settings.retention_days,
-    30; 0 keeps everything), never one whose reservation is not settled yet. Their events go with
-    them; the attempts ledger and the settlements keep the money history. Claim confirmations no
+    30; 0 keeps everything), never one whose reservation is not settled yet. Their stored events go
+    with them; the attempts ledger (with the `started` and clean terminal events it carries) and
+    the settlements keep the history. Claim confirmations no
     running task holds go too. Call until it purges 0.
     With dry_run it counts every task it would delete, in all batches, and deletes none.
     """
@@ -227,7 +228,8 @@ class GenerationDataServiceStub:
     WatchTaskEvents: _grpc.UnaryStreamMultiCallable[_task_pb2.WatchTaskEventsRequest, _task_pb2.WatchTaskEventsResponse]
     """Replays a task's events from the start (or after `after_sequence`) and follows them until
     the terminal one (completed, failed, cancelled or expired). Sequences count per task, in
-    commit order, so paging by them skips nothing. The SQL reads one page; the service repeats it,
+    commit order, so paging by them skips nothing. It reads generation.event_stream: the stored
+    events and those the attempts ledger carries. The SQL reads one page; the service repeats it,
     parking between pages until this process appends an event or a short re-check comes due.
     """
     ListAuditEntries: _grpc.UnaryUnaryMultiCallable[_task_pb2.ListAuditEntriesRequest, _task_pb2.ListAuditEntriesResponse]
@@ -423,8 +425,9 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     """
     PurgeTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.PurgeTasksRequest, _task_pb2.PurgeTasksResponse]  # type: ignore[assignment]
     """Deletes up to `batch_size` finished tasks older than the retention (settings.retention_days,
-    30; 0 keeps everything), never one whose reservation is not settled yet. Their events go with
-    them; the attempts ledger and the settlements keep the money history. Claim confirmations no
+    30; 0 keeps everything), never one whose reservation is not settled yet. Their stored events go
+    with them; the attempts ledger (with the `started` and clean terminal events it carries) and
+    the settlements keep the history. Claim confirmations no
     running task holds go too. Call until it purges 0.
     With dry_run it counts every task it would delete, in all batches, and deletes none.
     """
@@ -443,7 +446,8 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     WatchTaskEvents: _aio.UnaryStreamMultiCallable[_task_pb2.WatchTaskEventsRequest, _task_pb2.WatchTaskEventsResponse]  # type: ignore[assignment]
     """Replays a task's events from the start (or after `after_sequence`) and follows them until
     the terminal one (completed, failed, cancelled or expired). Sequences count per task, in
-    commit order, so paging by them skips nothing. The SQL reads one page; the service repeats it,
+    commit order, so paging by them skips nothing. It reads generation.event_stream: the stored
+    events and those the attempts ledger carries. The SQL reads one page; the service repeats it,
     parking between pages until this process appends an event or a short re-check comes due.
     """
     ListAuditEntries: _aio.UnaryUnaryMultiCallable[_task_pb2.ListAuditEntriesRequest, _task_pb2.ListAuditEntriesResponse]  # type: ignore[assignment]
@@ -798,8 +802,9 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.PurgeTasksResponse, _abc.Awaitable[_task_pb2.PurgeTasksResponse]]:
         """Deletes up to `batch_size` finished tasks older than the retention (settings.retention_days,
-        30; 0 keeps everything), never one whose reservation is not settled yet. Their events go with
-        them; the attempts ledger and the settlements keep the money history. Claim confirmations no
+        30; 0 keeps everything), never one whose reservation is not settled yet. Their stored events go
+        with them; the attempts ledger (with the `started` and clean terminal events it carries) and
+        the settlements keep the history. Claim confirmations no
         running task holds go too. Call until it purges 0.
         With dry_run it counts every task it would delete, in all batches, and deletes none.
         """
@@ -848,7 +853,8 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_task_pb2.WatchTaskEventsResponse], _abc.AsyncIterator[_task_pb2.WatchTaskEventsResponse]]:
         """Replays a task's events from the start (or after `after_sequence`) and follows them until
         the terminal one (completed, failed, cancelled or expired). Sequences count per task, in
-        commit order, so paging by them skips nothing. The SQL reads one page; the service repeats it,
+        commit order, so paging by them skips nothing. It reads generation.event_stream: the stored
+        events and those the attempts ledger carries. The SQL reads one page; the service repeats it,
         parking between pages until this process appends an event or a short re-check comes due.
         """
 
