@@ -303,8 +303,8 @@ def stream_event(db: Db, task_id: str, sequence: int) -> Any:
 
 
 def test_the_derived_events_answer_as_the_stream_holds_them(db: Db, tool_id: str) -> None:
-    """The claim and a clean completion store no event rows; the JSON they hand the followers and
-    the Redis mirror is the row generation.event_stream derives from the attempt, exactly."""
+    """The claim and a clean completion store no event rows; the JSON they hand the Redis mirror
+    is the row generation.event_stream derives from the attempt, exactly."""
     settings = Settings.from_env({})
     db.execute(
         "INSERT INTO generation.tasks (tool_id) SELECT %s FROM generate_series(1, 2)", [tool_id]
@@ -312,7 +312,8 @@ def test_the_derived_events_answer_as_the_stream_holds_them(db: Db, tool_id: str
     params = BINDINGS["ClaimTasks"].bind(
         task_pb2.ClaimTasksRequest(tool_id=tool_id, limit=2), settings
     )
-    claimed = db.execute(STATEMENTS["ClaimTasks"], params).fetchall()
+    assert params["mirror"] is False, "no Redis: the claim answers no event JSON"
+    claimed = db.execute(STATEMENTS["ClaimTasks"], {**params, "mirror": True}).fetchall()
     assert len(claimed) == 2
     for got in claimed:
         assert got["event"] == stream_event(db, str(got["id"]), got["last_event_seq"])
@@ -335,3 +336,14 @@ def test_the_derived_events_answer_as_the_stream_holds_them(db: Db, tool_id: str
         [[c["id"] for c in claimed]],
     ).fetchone()
     assert stored == {"n": 0}, "no event row written for a clean run"
+
+
+def test_a_claim_without_the_mirror_answers_no_event_json(db: Db, tool_id: str) -> None:
+    settings = Settings.from_env({})
+    db.execute("INSERT INTO generation.tasks (tool_id) VALUES (%s)", [tool_id])
+    params = BINDINGS["ClaimNextTask"].bind(
+        task_pb2.ClaimNextTaskRequest(tool_id=tool_id), settings
+    )
+    (claimed,) = db.execute(STATEMENTS["ClaimNextTask"], params).fetchall()
+    assert claimed["id"] is not None and claimed["event"] is None
+    assert stream_event(db, str(claimed["id"]), claimed["last_event_seq"])["kind"] == "started"

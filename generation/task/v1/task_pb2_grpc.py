@@ -284,6 +284,8 @@ class GenerationDataServiceServicer:
         nothing either: the unconfirmed lease lapses and the task is queued again, first in line.
         The answer is a claim of one task: the pair (task id, lease token) fences every later write,
         and ConfirmClaim with that token and task confirms it.
+        The `started` event's JSON travels back only for the Redis mirror (`mirror`); without it,
+        the service wakes the task's followers by its id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

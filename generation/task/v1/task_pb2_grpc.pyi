@@ -85,6 +85,8 @@ class GenerationDataServiceStub:
     nothing either: the unconfirmed lease lapses and the task is queued again, first in line.
     The answer is a claim of one task: the pair (task id, lease token) fences every later write,
     and ConfirmClaim with that token and task confirms it.
+    The `started` event's JSON travels back only for the Redis mirror (`mirror`); without it,
+    the service wakes the task's followers by its id.
     """
     HeartbeatTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.HeartbeatTaskRequest, _task_pb2.HeartbeatTaskResponse]
     """Extends the lease of a task the caller still holds and confirms its claim; says whether a
@@ -303,6 +305,8 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     nothing either: the unconfirmed lease lapses and the task is queued again, first in line.
     The answer is a claim of one task: the pair (task id, lease token) fences every later write,
     and ConfirmClaim with that token and task confirms it.
+    The `started` event's JSON travels back only for the Redis mirror (`mirror`); without it,
+    the service wakes the task's followers by its id.
     """
     HeartbeatTask: _aio.UnaryUnaryMultiCallable[_task_pb2.HeartbeatTaskRequest, _task_pb2.HeartbeatTaskResponse]  # type: ignore[assignment]
     """Extends the lease of a task the caller still holds and confirms its claim; says whether a
@@ -542,6 +546,8 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         nothing either: the unconfirmed lease lapses and the task is queued again, first in line.
         The answer is a claim of one task: the pair (task id, lease token) fences every later write,
         and ConfirmClaim with that token and task confirms it.
+        The `started` event's JSON travels back only for the Redis mirror (`mirror`); without it,
+        the service wakes the task's followers by its id.
         """
 
     @_abc_1.abstractmethod
