@@ -47,8 +47,8 @@ from service.api.rpcs import (
     WATCH,
     Binding,
     Params,
-    signal_event,
     signal_requeue,
+    signal_started,
 )
 from service.api.signals import TERMINAL_EVENTS, Signals
 from service.database import Database
@@ -197,7 +197,7 @@ class Handlers:
     def _hand_back_claimed(self, claim: asyncio.Future[list[Row]]) -> None:
         if claim.cancelled() or claim.exception() is not None:
             return  # nothing known to be claimed: an unconfirmed lease lapses and costs nothing
-        signal_event(self.signals, claim.result())  # the `started` events, before their end
+        signal_started(self.signals, claim.result())  # the `started` events, before their end
         for row in claim.result():
             if row["id"] is not None:
                 job = asyncio.ensure_future(self._hand_back(row))

@@ -265,8 +265,14 @@ def bind_claim_next_task(request: task_pb2.ClaimNextTaskRequest, settings: Setti
 
 
 def _overrides(settings: Settings) -> Params:
-    """The environment's word on the kill switch and the cap, which the database cannot undo."""
-    return {"disabled_override": settings.disabled, "cap_override": settings.daily_cap_nanos}
+    """The environment's word on the kill switch and the cap, which the database cannot undo;
+    and whether the claim's `started` events travel back as JSON (only the Redis mirror reads
+    them: signal_started wakes in-process followers by the task's id)."""
+    return {
+        "disabled_override": settings.disabled,
+        "cap_override": settings.daily_cap_nanos,
+        "mirror": settings.redis_url is not None,
+    }
 
 
 def bind_claim_tasks(request: task_pb2.ClaimTasksRequest, settings: Settings) -> Params:
@@ -757,6 +763,16 @@ def signal_event(signals: Signals, rows: list[Row]) -> None:
             signals.event_added(row["event"])
 
 
+def signal_started(signals: Signals, rows: list[Row]) -> None:
+    """A claim's `started` events: mirrored when their JSON came back, else the followers of each
+    claimed task are woken by its id (they read the event from the stream)."""
+    for row in rows:
+        if row.get("event"):
+            signals.event_added(row["event"])
+        elif row.get("id") is not None:
+            signals.task_event_added(str(row["id"]))
+
+
 def signal_queued(signals: Signals, rows: list[Row]) -> None:
     """Wakes one parked claim per task queued, with one Redis message per tool (a QueueTasks
     batch of a thousand is one publish, not a thousand)."""
@@ -887,11 +903,11 @@ BINDINGS: dict[str, Binding] = {
         bind_release_hold, lambda rows: task_pb2.ReleaseHoldResponse(released=bool(rows))
     ),
     "ClaimNextTask": Binding(
-        bind_claim_next_task, respond_claim, after=signal_event, park=park_claim
+        bind_claim_next_task, respond_claim, after=signal_started, park=park_claim
     ),
     "HeartbeatTask": Binding(bind_heartbeat_task, respond_heartbeat),
     "ClaimTasks": Binding(
-        bind_claim_tasks, respond_claim_tasks, after=signal_event, park=park_claim
+        bind_claim_tasks, respond_claim_tasks, after=signal_started, park=park_claim
     ),
     "HeartbeatTasks": Binding(bind_heartbeat_tasks, respond_heartbeat_tasks),
     "ConfirmClaim": Binding(bind_confirm_claim, respond_confirm_claim),

@@ -133,10 +133,13 @@ class Signals:
             self._spawn(self.redis.publish(self.wake_channel, tool_id))
 
     def event_added(self, event: dict[str, Any]) -> None:
-        task_id = str(event["task_id"])
-        self.tasks.notify(task_id, count=None)
+        self.task_event_added(str(event["task_id"]))
         if self.redis is not None:
             self._mirror_later(event)
+
+    def task_event_added(self, task_id: str) -> None:
+        """Wakes the task's followers in this process (an event whose JSON is not at hand)."""
+        self.tasks.notify(task_id, count=None)
 
     # -- the event mirror -------------------------------------------------------------------
 

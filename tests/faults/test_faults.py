@@ -329,7 +329,7 @@ def test_a_requeue_sent_again_with_its_key_does_not_run_the_task_twice(
     assert (stored["settlement_round"], stored["attempt_count"]) == (2, 2), "no third run"
     assert stored["requeue_keys"] == ["k1", "k2"]
     keys = db.execute(
-        "SELECT data ->> 'requeue_key' AS key FROM generation.task_events "
+        "SELECT data ->> 'requeue_key' AS key FROM generation.event_stream "
         "WHERE task_id = %s AND kind = 'requeued'",
         [made.task.id],
     ).fetchall()
@@ -782,7 +782,7 @@ def events(db: Db, task_id: str) -> list[tuple[int, str]]:
     return [
         (int(r["sequence"]), str(r["kind"]))
         for r in db.execute(
-            "SELECT sequence, kind::text FROM generation.task_events WHERE task_id = %s "
+            "SELECT sequence, kind::text FROM generation.event_stream WHERE task_id = %s "
             "ORDER BY sequence",
             [task_id],
         )

@@ -144,7 +144,7 @@ def row(db: Db, task_id: str) -> dict[str, Any]:
 def starts(db: Db, task_id: str) -> list[str]:
     """Which workers started the task, in order (from their first progress event)."""
     rows = db.execute(
-        "SELECT data->>'message' AS message FROM generation.task_events "
+        "SELECT data->>'message' AS message FROM generation.event_stream "
         "WHERE task_id = %s AND kind = 'progress' AND data->>'message' LIKE 'started by %%' "
         "ORDER BY sequence",
         [task_id],
@@ -154,7 +154,7 @@ def starts(db: Db, task_id: str) -> list[str]:
 
 def events(db: Db, task_id: str) -> list[dict[str, Any]]:
     return db.execute(
-        "SELECT kind::text, data FROM generation.task_events WHERE task_id = %s ORDER BY sequence",
+        "SELECT kind::text, data FROM generation.event_stream WHERE task_id = %s ORDER BY sequence",
         [task_id],
     ).fetchall()
 
@@ -218,7 +218,7 @@ def test_stopped_worker_completion_is_refused_after_another_completed(
     a.expect_in_log(f"task {task_id}: CompleteTask refused (LEASE_LOST); result dropped")
     assert row(sdb, task_id) == by_b
     completed_events = sdb.execute(
-        "SELECT count(*) AS n FROM generation.task_events "
+        "SELECT count(*) AS n FROM generation.event_stream "
         "WHERE task_id = %s AND kind = 'completed'",
         [task_id],
     ).fetchone()

@@ -313,7 +313,7 @@ def test_a_batch_ends_its_held_runs_as_single_completes_would(
     ], "the repeated item added no second cost"
     events = db.execute(
         "SELECT task_id::text, array_agg(kind::text ORDER BY sequence) AS kinds "
-        "FROM generation.task_events WHERE task_id = ANY(%s::uuid[]) GROUP BY 1",
+        "FROM generation.event_stream WHERE task_id = ANY(%s::uuid[]) GROUP BY 1",
         [[a.task.id, b.task.id, c.task.id]],
     ).fetchall()
     assert {e["task_id"]: e["kinds"] for e in events} == {

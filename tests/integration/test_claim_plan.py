@@ -110,6 +110,7 @@ def _explained_claim(
         "lease_seconds": 120,
         "disabled_override": False,
         "cap_override": None,
+        "mirror": False,
     }
     with connection.transaction(force_rollback=True):
         connection.execute("SET LOCAL jit = off")  # as in the service's sessions
@@ -139,6 +140,7 @@ def _explained_claim(
                     "lease_seconds": "int",
                     "disabled_override": "boolean",
                     "cap_override": "bigint",
+                    "mirror": "boolean",
                 }[n]
                 for n in names
             )
@@ -216,6 +218,7 @@ def test_a_claim_a_gate_holds_is_flat_too(loaded: psycopg.Connection[dict[str, A
         "lease_seconds": 120,
         "disabled_override": False,
         "cap_override": None,
+        "mirror": False,
     }
     with loaded.transaction(force_rollback=True):
         loaded.execute("SET LOCAL jit = off")
@@ -248,6 +251,7 @@ def test_close_reads_the_ledger_by_key_after_it_grew(databases: Databases) -> No
                     "lease_seconds": 120,
                     "disabled_override": False,
                     "cap_override": None,
+                    "mirror": False,
                 },
                 prepare=True,
             ).fetchone()
@@ -304,6 +308,7 @@ def test_batch_reports_read_their_own_rows_whatever_is_in_flight(databases: Data
             "lease_seconds": 120,
             "disabled_override": False,
             "cap_override": None,
+            "mirror": False,
         }
         held = [
             row
@@ -379,7 +384,12 @@ def test_a_free_claim_and_its_completion_run_in_one_statement_each(databases: Da
             return found, "\n".join(notices)
 
         fast_claim, step_2 = "WITH chosen AS MATERIALIZED", "tool.cost_estimate_nanos) AS estimate"
-        gates = {"lease_seconds": 120, "disabled_override": False, "cap_override": None}
+        gates = {
+            "lease_seconds": 120,
+            "disabled_override": False,
+            "cap_override": None,
+            "mirror": False,
+        }
         claimed, texts = ran(STATEMENTS["ClaimNextTask"], {"tool_id": free, **gates})
         assert claimed["id"] is not None
         assert fast_claim in texts and step_2 not in texts

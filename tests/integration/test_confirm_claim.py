@@ -43,6 +43,16 @@ def confirmations(db: Db, token: str) -> int:
     return int(found["n"])
 
 
+def tuple_versions(db: Db, ids: list[str]) -> list[tuple[str, str]]:
+    """Where each task's row version lives and who wrote it: a write moves both."""
+    found = db.execute(
+        "SELECT ctid::text AS place, xmin::text AS writer FROM generation.tasks "
+        "WHERE id = ANY (%s::uuid[]) ORDER BY id",
+        [ids],
+    ).fetchall()
+    return [(f["place"], f["writer"]) for f in found]
+
+
 def test_one_call_confirms_a_whole_claim_under_its_one_token(
     stub: Stub, db: Db, tool_id: str
 ) -> None:
@@ -54,13 +64,15 @@ def test_one_call_confirms_a_whole_claim_under_its_one_token(
     (token,) = tokens
     ids = [c.task.id for c in claimed.tasks]
     before = [row(db, task_id) for task_id in ids]
+    versions = tuple_versions(db, ids)
 
     answer = confirm(stub, tool_id, token, ids[::-1])
 
     assert list(answer.task_ids) == ids[::-1], "held, in request order"
     assert list(answer.cancel_requested_task_ids) == []
     assert confirmations(db, token) == 1
-    assert [row(db, task_id) for task_id in ids] == before, "no task row is written"
+    assert [row(db, task_id) for task_id in ids] == before
+    assert tuple_versions(db, ids) == versions, "no task row gets a new version"
 
 
 def test_a_lapse_after_confirm_claim_costs_a_retry_an_unconfirmed_one_none(
@@ -95,6 +107,8 @@ def test_a_token_task_mismatch_or_a_stolen_lease_answers_the_task_lost(
     assert list(confirm(stub, tool_id, mine.lease_token, [other.id]).task_ids) == []
     assert list(confirm(stub, tool_id, WRONG_TOKEN, [task.id]).task_ids) == []
     assert list(confirm(stub, tool_id, mine.lease_token, [WRONG_TOKEN]).task_ids) == []
+    stranger = stub.UpsertTool(task_pb2.UpsertToolRequest(name=f"other-{task.id}")).tool.id
+    assert list(confirm(stub, stranger, mine.lease_token, [task.id]).task_ids) == []
     assert confirmations(db, mine.lease_token) == 0
     assert confirmations(db, WRONG_TOKEN) == 0
 

@@ -17,6 +17,7 @@ import redis
 import redis.asyncio as aioredis
 
 from generation.task.v1 import task_pb2
+from service.api.rpcs import BINDINGS, STATEMENTS
 from service.api.signals import TERMINAL_EVENTS, Signals
 from service.settings import Settings
 from tests.conftest import REDIS_URL, ServiceProcess, wait_for
@@ -110,7 +111,7 @@ def test_publish_needs_the_lease(stub: Stub, db: Db, tool_id: str) -> None:
         publish(stub, claimed, K.TASK_EVENT_KIND_PROGRESS, progress=1.0)
     assert from_rpc_error(caught.value).reason == Reason.LEASE_LOST
     kinds = db.execute(
-        "SELECT kind FROM generation.task_events WHERE task_id = %s ORDER BY sequence", [task.id]
+        "SELECT kind FROM generation.event_stream WHERE task_id = %s ORDER BY sequence", [task.id]
     ).fetchall()
     assert kinds == [{"kind": "started"}, {"kind": "completed"}]
 
@@ -222,7 +223,7 @@ def test_many_events_per_task_reach_the_redis_stream_in_sequence_order(
     client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
     for task_id in task_ids:
         stored = db.execute(
-            "SELECT sequence, kind::text FROM generation.task_events "
+            "SELECT sequence, kind::text FROM generation.event_stream "
             "WHERE task_id = %s ORDER BY sequence",
             [task_id],
         ).fetchall()
@@ -289,3 +290,60 @@ def test_the_mirror_orders_events_added_out_of_order_and_drops_late_ones() -> No
     for entries in asyncio.run(main()):
         assert [int(e["sequence"]) for e in entries] == list(range(1, per_task + 1))
         assert entries[-1]["kind"] == "completed"
+
+
+def stream_event(db: Db, task_id: str, sequence: int) -> Any:
+    found = db.execute(
+        "SELECT to_jsonb(e) AS event FROM generation.event_stream AS e "
+        "WHERE task_id = %s AND sequence = %s",
+        [task_id, sequence],
+    ).fetchall()
+    assert len(found) == 1, "one event per sequence"
+    return found[0]["event"]
+
+
+def test_the_derived_events_answer_as_the_stream_holds_them(db: Db, tool_id: str) -> None:
+    """The claim and a clean completion store no event rows; the JSON they hand the Redis mirror
+    is the row generation.event_stream derives from the attempt, exactly."""
+    settings = Settings.from_env({})
+    db.execute(
+        "INSERT INTO generation.tasks (tool_id) SELECT %s FROM generate_series(1, 2)", [tool_id]
+    )
+    params = BINDINGS["ClaimTasks"].bind(
+        task_pb2.ClaimTasksRequest(tool_id=tool_id, limit=2), settings
+    )
+    assert params["mirror"] is False, "no Redis: the claim answers no event JSON"
+    claimed = db.execute(STATEMENTS["ClaimTasks"], {**params, "mirror": True}).fetchall()
+    assert len(claimed) == 2
+    for got in claimed:
+        assert got["event"] == stream_event(db, str(got["id"]), got["last_event_seq"])
+        assert got["event"]["kind"] == "started"
+    request = task_pb2.CompleteTasksRequest(
+        tasks=[
+            task_pb2.CompleteTaskRequest(task_id=str(c["id"]), lease_token=str(c["lease_token"]))
+            for c in claimed
+        ]
+    )
+    done = db.execute(
+        STATEMENTS["CompleteTasks"], BINDINGS["CompleteTasks"].bind(request, settings)
+    ).fetchall()
+    for got in done:
+        sequence = row(db, str(got["id"]))["last_event_seq"]
+        assert got["event"] == stream_event(db, str(got["id"]), sequence)
+        assert got["event"]["kind"] == "completed"
+    stored = db.execute(
+        "SELECT count(*) AS n FROM generation.task_events WHERE task_id = ANY (%s::uuid[])",
+        [[c["id"] for c in claimed]],
+    ).fetchone()
+    assert stored == {"n": 0}, "no event row written for a clean run"
+
+
+def test_a_claim_without_the_mirror_answers_no_event_json(db: Db, tool_id: str) -> None:
+    settings = Settings.from_env({})
+    db.execute("INSERT INTO generation.tasks (tool_id) VALUES (%s)", [tool_id])
+    params = BINDINGS["ClaimNextTask"].bind(
+        task_pb2.ClaimNextTaskRequest(tool_id=tool_id), settings
+    )
+    (claimed,) = db.execute(STATEMENTS["ClaimNextTask"], params).fetchall()
+    assert claimed["id"] is not None and claimed["event"] is None
+    assert stream_event(db, str(claimed["id"]), claimed["last_event_seq"])["kind"] == "started"

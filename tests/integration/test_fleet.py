@@ -98,7 +98,7 @@ def terminal(db: Db, *task_ids: str) -> bool:
 
 def events(db: Db, task_id: str) -> list[dict[str, Any]]:
     return db.execute(
-        "SELECT kind::text, data FROM generation.task_events WHERE task_id = %s ORDER BY sequence",
+        "SELECT kind::text, data FROM generation.event_stream WHERE task_id = %s ORDER BY sequence",
         [task_id],
     ).fetchall()
 
@@ -961,7 +961,7 @@ def completed_once(db: Db, task_ids: list[str]) -> None:
         "  (SELECT count(*) FROM generation.attempts AS a WHERE a.task_id = t.id) AS attempts, "
         "  (SELECT count(*) FROM generation.attempts AS a "
         "   WHERE a.task_id = t.id AND a.outcome = 'completed') AS completed_attempts, "
-        "  (SELECT count(*) FROM generation.task_events AS e "
+        "  (SELECT count(*) FROM generation.event_stream AS e "
         "   WHERE e.task_id = t.id AND e.kind = 'completed') AS completed_events "
         "FROM generation.tasks AS t WHERE t.id = ANY(%s::uuid[])",
         [task_ids],

@@ -856,7 +856,7 @@ def test_not_before_and_expiry(stub: Stub, sdb: Db) -> None:
     short = queue(stub, tool_id, ttl=duration_pb2.Duration(nanos=1_000_000))
     wait_for(lambda: task_row(sdb, short.id)["status"] == "expired", what="the expiry sweep")
     kinds = sdb.execute(
-        "SELECT kind::text FROM generation.task_events WHERE task_id = %s", [short.id]
+        "SELECT kind::text FROM generation.event_stream WHERE task_id = %s", [short.id]
     ).fetchall()
     assert kinds == [{"kind": "expired"}]
     forever = queue(stub, tool_id, ttl=duration_pb2.Duration())
@@ -962,7 +962,7 @@ def test_cancelling_a_running_task_asks_its_worker_and_keeps_the_cost(
     kinds = [
         r["kind"]
         for r in sdb.execute(
-            "SELECT kind::text FROM generation.task_events WHERE task_id = %s ORDER BY sequence",
+            "SELECT kind::text FROM generation.event_stream WHERE task_id = %s ORDER BY sequence",
             [task.id],
         )
     ]

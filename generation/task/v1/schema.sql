@@ -290,6 +290,10 @@ CREATE TABLE generation.attempts (
     outcome generation.attempt_outcome NOT NULL DEFAULT 'running',
     started_at timestamptz NOT NULL DEFAULT now(),
     ended_at timestamptz,
+    -- The run's `started` event's sequence, and its terminal event's when a clean completion
+    -- ended it (generation.event_stream derives both events from this row).
+    started_seq bigint,
+    ended_seq bigint,
     PRIMARY KEY (task_id, attempt),
     CONSTRAINT attempts_money_nonnegative CHECK (estimate_nanos >= 0 AND cost_nanos >= 0)
 )
@@ -302,6 +306,20 @@ CREATE INDEX attempts_tool_started_idx ON generation.attempts (tool_id, started_
 CREATE INDEX attempts_ended_idx ON generation.attempts (ended_at);
 -- Runs in flight per resource key, for its concurrency limit.
 CREATE INDEX attempts_running_idx ON generation.attempts (resource_key) WHERE outcome = 'running';
+
+-- A task's event stream: the events stored in task_events, and the two every run has that its
+-- attempt's row already tells: `started` (at the claim, numbered started_seq) and, when a
+-- completion ended the run cleanly, its terminal event (`completed` or `cancelled`, numbered
+-- ended_seq, at ended_at). Read by task id and sequence.
+CREATE VIEW generation.event_stream AS
+SELECT e.task_id, e.sequence, e.kind, e.data, e.created_at FROM generation.task_events AS e
+UNION ALL
+SELECT a.task_id, a.started_seq, 'started'::generation.task_event_kind,
+       jsonb_build_object('attempt', a.attempt), a.started_at
+FROM generation.attempts AS a WHERE a.started_seq IS NOT NULL
+UNION ALL
+SELECT a.task_id, a.ended_seq, a.outcome::text::generation.task_event_kind, '{}'::jsonb, a.ended_at
+FROM generation.attempts AS a WHERE a.ended_seq IS NOT NULL;
 
 -- The claims their worker confirmed with ConfirmClaim, by the token the claim's tasks share: a
 -- task holding a token found here counts as confirmed (generation.claim_confirmed_v1). A row
@@ -516,6 +534,27 @@ BEGIN
     END IF;
     RETURN a;
 END
+$$;
+
+-- The `started` and clean terminal events generation.event_stream derives from an attempt, as
+-- the JSON a stored event renders (to_jsonb of a task_events row), for the followers and the
+-- Redis mirror. Only their transitions call them, at the moment the events take effect (now()).
+CREATE FUNCTION generation.started_event_v1(p_task uuid, p_sequence bigint, p_attempt integer)
+RETURNS jsonb
+LANGUAGE sql STABLE
+AS $$
+    SELECT jsonb_build_object('task_id', p_task, 'sequence', p_sequence, 'kind', 'started',
+                              'data', jsonb_build_object('attempt', p_attempt),
+                              'created_at', now())
+$$;
+
+CREATE FUNCTION generation.ended_event_v1(
+    p_task uuid, p_sequence bigint, p_kind generation.task_event_kind
+) RETURNS jsonb
+LANGUAGE sql STABLE
+AS $$
+    SELECT jsonb_build_object('task_id', p_task, 'sequence', p_sequence, 'kind', p_kind,
+                              'data', '{}'::jsonb, 'created_at', now())
 $$;
 
 -- Appends the next event of a task's stream, numbered by the task's last_event_seq, which the
@@ -921,21 +960,18 @@ BEGIN
                 last_event_seq = t.last_event_seq + 1
             WHERE t.id = ANY (ARRAY(SELECT free.id FROM free))
             RETURNING t AS task, t.id, t.attempt_count, t.lease_token, t.last_event_seq),
+        -- The attempt carries the `started` event (generation.event_stream).
         attempt AS (
             INSERT INTO generation.attempts
                 (task_id, attempt, lease_token, tool_id, resource_key, account_group, local_day,
-                 estimate_nanos)
+                 estimate_nanos, started_seq)
             SELECT started.id, started.attempt_count, started.lease_token, p_tool,
-                   free.resource_key, free.account_group, gate.today, 0
-            FROM started JOIN free ON free.id = started.id),
-        event AS (
-            INSERT INTO generation.task_events (task_id, sequence, kind, data)
-            SELECT started.id, started.last_event_seq, 'started',
-                   jsonb_build_object('attempt', started.attempt_count)
-            FROM started
-            RETURNING *)
-        SELECT started.task, gate.lease, NULL::text, to_jsonb(event)
-        FROM started JOIN free ON free.id = started.id JOIN event ON event.task_id = started.id
+                   free.resource_key, free.account_group, gate.today, 0, started.last_event_seq
+            FROM started JOIN free ON free.id = started.id)
+        SELECT started.task, gate.lease, NULL::text,
+               generation.started_event_v1(started.id, started.last_event_seq,
+                                           started.attempt_count)
+        FROM started JOIN free ON free.id = started.id
         ORDER BY free.reclaimed DESC, free.priority DESC, free.run_at;
         IF FOUND THEN
             -- E. A worker asked for the tool's work, as step 5 notes it.
@@ -1170,7 +1206,8 @@ BEGIN
         WHERE t.id = p_tool;
     END IF;
 
-    -- 8. Start the runs: the claim's fresh, unconfirmed lease, an attempt, a `started` event each.
+    -- 8. Start the runs: the claim's fresh, unconfirmed lease, an attempt each (which carries
+    --    its `started` event).
     RETURN QUERY
     WITH started AS (
         UPDATE generation.tasks AS t
@@ -1187,19 +1224,14 @@ BEGIN
     attempt AS (
         INSERT INTO generation.attempts
             (task_id, attempt, lease_token, tool_id, resource_key, account_group, local_day,
-             estimate_nanos)
+             estimate_nanos, started_seq)
         SELECT started.id, started.attempt_count, started.lease_token, started.tool_id,
                keys[array_position(ids, started.id)], groups[array_position(ids, started.id)],
-               today, estimates[array_position(ids, started.id)]
-        FROM started),
-    event AS (
-        INSERT INTO generation.task_events (task_id, sequence, kind, data)
-        SELECT started.id, started.last_event_seq, 'started',
-               jsonb_build_object('attempt', started.attempt_count)
-        FROM started
-        RETURNING *)
-    SELECT ROW(started.*)::generation.tasks, lease, NULL::text, to_jsonb(event)
-    FROM started JOIN event ON event.task_id = started.id
+               today, estimates[array_position(ids, started.id)], started.last_event_seq
+        FROM started)
+    SELECT ROW(started.*)::generation.tasks, lease, NULL::text,
+           generation.started_event_v1(started.id, started.last_event_seq, started.attempt_count)
+    FROM started
     ORDER BY array_position(admitted, started.id);
 END
 $$;
@@ -1297,7 +1329,10 @@ BEGIN
     --    report), so each either finds this confirmation committed or has already taken the
     --    task from the claim, which then is not held below; two confirms do not wait on each
     --    other.
-    PERFORM 1 FROM generation.tasks AS t WHERE t.id = ANY (p_tasks) ORDER BY t.id FOR SHARE;
+    --    Only the tool's own rows: a caller names the tool its token reaches.
+    PERFORM 1 FROM generation.tasks AS t WHERE t.id = ANY (p_tasks) AND t.tool_id = p_tool
+    ORDER BY t.id
+    FOR SHARE;
     -- 2. Record the claim's confirmation once, when it still holds any of them.
     INSERT INTO generation.claim_confirmations (lease_token)
     SELECT p_token
@@ -1361,21 +1396,28 @@ BEGIN
         --    it runs. A's EXISTS read the attempt as this statement's snapshot saw it; this
         --    UPDATE re-checks the newest version, so a close that committed meanwhile (the same
         --    lease refused as lost once it lapsed, step 6) stands, as it does in steps 1-6.
+        --    The closed attempt carries the terminal event (generation.event_stream).
         closed AS (
             UPDATE generation.attempts AS r
             SET outcome = ended.status::text::generation.attempt_outcome,
                 resource_key = COALESCE(p_resource_key, r.resource_key),
-                ended_at = now()
+                ended_at = now(), ended_seq = ended.last_event_seq
             FROM ended
-            WHERE r.task_id = p_task AND r.lease_token = p_token AND r.outcome = 'running'),
-        -- C. The terminal event, last in the stream.
+            WHERE r.task_id = p_task AND r.lease_token = p_token AND r.outcome = 'running'
+            RETURNING r.task_id),
+        -- C. The terminal event, last in the stream: stored only when B closed nothing.
         event AS (
             INSERT INTO generation.task_events (task_id, sequence, kind, data)
             SELECT p_task, ended.last_event_seq,
                    ended.status::text::generation.task_event_kind, '{}'
             FROM ended
+            WHERE NOT EXISTS (SELECT 1 FROM closed)
             RETURNING *)
-        SELECT true, ended.task, to_jsonb(event) FROM ended, event;
+        SELECT true, ended.task,
+               COALESCE((SELECT to_jsonb(event) FROM event),
+                        generation.ended_event_v1(p_task, ended.last_event_seq,
+                                                  ended.status::text::generation.task_event_kind))
+        FROM ended;
         IF FOUND THEN
             -- D. A completed run ends its key's run of failures: a statement of its own, whose
             --    snapshot is taken now, so that it sees a failure of the key that committed
@@ -1673,7 +1715,7 @@ BEGIN
         -- attempts_running_idx.
         run AS MATERIALIZED (
             SELECT a.task_id, a.attempt, a.outcome, (done.task).status, done.resource_key,
-                   done.cost
+                   done.cost, (done.task).last_event_seq AS seq
             FROM done JOIN generation.attempts AS a
               ON a.lease_token = done.lease_token AND a.task_id = done.id),
         -- Each run's attempt closes with its cost (close_attempt_v1's step 3).
@@ -1682,11 +1724,11 @@ BEGIN
             SET outcome = run.status::text::generation.attempt_outcome,
                 resource_key = COALESCE(run.resource_key, a.resource_key),
                 cost_nanos = a.cost_nanos + run.cost,
-                ended_at = COALESCE(a.ended_at, now())
+                ended_at = COALESCE(a.ended_at, now()), ended_seq = run.seq
             FROM run
             WHERE a.task_id = run.task_id AND a.attempt = run.attempt AND run.outcome = 'running'
-            RETURNING a.tool_id, a.local_day, a.estimate_nanos, a.outcome, a.resource_key,
-                      run.cost),
+            RETURNING a.task_id, a.tool_id, a.local_day, a.estimate_nanos, a.outcome,
+                      a.resource_key, run.cost, a.ended_seq),
         -- Today's runs release their reservations and add their costs, per tool (step 4).
         money AS (
             SELECT t.id,
@@ -1722,18 +1764,26 @@ BEGIN
             WHERE c.resource_key IN (SELECT closed.resource_key FROM closed
                                      WHERE closed.outcome = 'completed')
               AND c.consecutive_failures > 0),
-        -- The terminal event, last in each stream.
+        -- The terminal event, last in each stream: carried by the attempt closed above
+        -- (generation.event_stream), stored only for a run whose attempt was closed already.
         appended AS (
             INSERT INTO generation.task_events (task_id, sequence, kind, data)
             SELECT done.id, (done.task).last_event_seq,
                    (done.task).status::text::generation.task_event_kind, '{}'
             FROM done
+            WHERE done.id NOT IN (SELECT closed.task_id FROM closed)
             RETURNING *),
-        -- Each run's event by its task, in one value read once: a join of the two CTEs, which
-        -- the planner takes for one row each, would compare every pair.
+        -- Each run's event by its task, in one value read once: a join of the CTEs, which the
+        -- planner takes for one row each, would compare every pair.
         events AS MATERIALIZED (
-            SELECT jsonb_object_agg(appended.task_id, to_jsonb(appended)) AS by_task
-            FROM appended)
+            SELECT jsonb_object_agg(x.task_id, x.event) AS by_task
+            FROM (SELECT appended.task_id, to_jsonb(appended) AS event FROM appended
+                  UNION ALL
+                  SELECT closed.task_id,
+                         generation.ended_event_v1(
+                             closed.task_id, closed.ended_seq,
+                             closed.outcome::text::generation.task_event_kind)
+                  FROM closed) AS x)
         SELECT done.ordinal, done.task, events.by_task -> done.id::text AS event
         FROM done, events
     LOOP

@@ -282,6 +282,10 @@ class GenerationDataServiceServicer:
         heartbeat or event). When the caller's deadline passes before the answer leaves, the service hands the
         task straight back (release_task_v1 with p_unconfirmed); an answer lost on the way costs
         nothing either: the unconfirmed lease lapses and the task is queued again, first in line.
+        The answer is a claim of one task: the pair (task id, lease token) fences every later write,
+        and ConfirmClaim with that token and task confirms it.
+        The `started` event's JSON travels back only for the Redis mirror (`mirror`); without it,
+        the service wakes the task's followers by its id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -497,8 +501,9 @@ class GenerationDataServiceServicer:
 
     def PurgeTasks(self, request, context):
         """Deletes up to `batch_size` finished tasks older than the retention (settings.retention_days,
-        30; 0 keeps everything), never one whose reservation is not settled yet. Their events go with
-        them; the attempts ledger and the settlements keep the money history. Claim confirmations no
+        30; 0 keeps everything), never one whose reservation is not settled yet. Their stored events go
+        with them; the attempts ledger (with the `started` and clean terminal events it carries) and
+        the settlements keep the history. Claim confirmations no
         running task holds go too. Call until it purges 0.
         With dry_run it counts every task it would delete, in all batches, and deletes none.
         """
@@ -540,7 +545,8 @@ class GenerationDataServiceServicer:
     def WatchTaskEvents(self, request, context):
         """Replays a task's events from the start (or after `after_sequence`) and follows them until
         the terminal one (completed, failed, cancelled or expired). Sequences count per task, in
-        commit order, so paging by them skips nothing. The SQL reads one page; the service repeats it,
+        commit order, so paging by them skips nothing. It reads generation.event_stream: the stored
+        events and those the attempts ledger carries. The SQL reads one page; the service repeats it,
         parking between pages until this process appends an event or a short re-check comes due.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -83,6 +83,10 @@ class GenerationDataServiceStub:
     heartbeat or event). When the caller's deadline passes before the answer leaves, the service hands the
     task straight back (release_task_v1 with p_unconfirmed); an answer lost on the way costs
     nothing either: the unconfirmed lease lapses and the task is queued again, first in line.
+    The answer is a claim of one task: the pair (task id, lease token) fences every later write,
+    and ConfirmClaim with that token and task confirms it.
+    The `started` event's JSON travels back only for the Redis mirror (`mirror`); without it,
+    the service wakes the task's followers by its id.
     """
     HeartbeatTask: _grpc.UnaryUnaryMultiCallable[_task_pb2.HeartbeatTaskRequest, _task_pb2.HeartbeatTaskResponse]
     """Extends the lease of a task the caller still holds and confirms its claim; says whether a
@@ -205,8 +209,9 @@ class GenerationDataServiceStub:
     """
     PurgeTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.PurgeTasksRequest, _task_pb2.PurgeTasksResponse]
     """Deletes up to `batch_size` finished tasks older than the retention (settings.retention_days,
-    30; 0 keeps everything), never one whose reservation is not settled yet. Their events go with
-    them; the attempts ledger and the settlements keep the money history. Claim confirmations no
+    30; 0 keeps everything), never one whose reservation is not settled yet. Their stored events go
+    with them; the attempts ledger (with the `started` and clean terminal events it carries) and
+    the settlements keep the history. Claim confirmations no
     running task holds go too. Call until it purges 0.
     With dry_run it counts every task it would delete, in all batches, and deletes none.
     """
@@ -225,7 +230,8 @@ class GenerationDataServiceStub:
     WatchTaskEvents: _grpc.UnaryStreamMultiCallable[_task_pb2.WatchTaskEventsRequest, _task_pb2.WatchTaskEventsResponse]
     """Replays a task's events from the start (or after `after_sequence`) and follows them until
     the terminal one (completed, failed, cancelled or expired). Sequences count per task, in
-    commit order, so paging by them skips nothing. The SQL reads one page; the service repeats it,
+    commit order, so paging by them skips nothing. It reads generation.event_stream: the stored
+    events and those the attempts ledger carries. The SQL reads one page; the service repeats it,
     parking between pages until this process appends an event or a short re-check comes due.
     """
     ListAuditEntries: _grpc.UnaryUnaryMultiCallable[_task_pb2.ListAuditEntriesRequest, _task_pb2.ListAuditEntriesResponse]
@@ -297,6 +303,10 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     heartbeat or event). When the caller's deadline passes before the answer leaves, the service hands the
     task straight back (release_task_v1 with p_unconfirmed); an answer lost on the way costs
     nothing either: the unconfirmed lease lapses and the task is queued again, first in line.
+    The answer is a claim of one task: the pair (task id, lease token) fences every later write,
+    and ConfirmClaim with that token and task confirms it.
+    The `started` event's JSON travels back only for the Redis mirror (`mirror`); without it,
+    the service wakes the task's followers by its id.
     """
     HeartbeatTask: _aio.UnaryUnaryMultiCallable[_task_pb2.HeartbeatTaskRequest, _task_pb2.HeartbeatTaskResponse]  # type: ignore[assignment]
     """Extends the lease of a task the caller still holds and confirms its claim; says whether a
@@ -419,8 +429,9 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     """
     PurgeTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.PurgeTasksRequest, _task_pb2.PurgeTasksResponse]  # type: ignore[assignment]
     """Deletes up to `batch_size` finished tasks older than the retention (settings.retention_days,
-    30; 0 keeps everything), never one whose reservation is not settled yet. Their events go with
-    them; the attempts ledger and the settlements keep the money history. Claim confirmations no
+    30; 0 keeps everything), never one whose reservation is not settled yet. Their stored events go
+    with them; the attempts ledger (with the `started` and clean terminal events it carries) and
+    the settlements keep the history. Claim confirmations no
     running task holds go too. Call until it purges 0.
     With dry_run it counts every task it would delete, in all batches, and deletes none.
     """
@@ -439,7 +450,8 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     WatchTaskEvents: _aio.UnaryStreamMultiCallable[_task_pb2.WatchTaskEventsRequest, _task_pb2.WatchTaskEventsResponse]  # type: ignore[assignment]
     """Replays a task's events from the start (or after `after_sequence`) and follows them until
     the terminal one (completed, failed, cancelled or expired). Sequences count per task, in
-    commit order, so paging by them skips nothing. The SQL reads one page; the service repeats it,
+    commit order, so paging by them skips nothing. It reads generation.event_stream: the stored
+    events and those the attempts ledger carries. The SQL reads one page; the service repeats it,
     parking between pages until this process appends an event or a short re-check comes due.
     """
     ListAuditEntries: _aio.UnaryUnaryMultiCallable[_task_pb2.ListAuditEntriesRequest, _task_pb2.ListAuditEntriesResponse]  # type: ignore[assignment]
@@ -532,6 +544,10 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         heartbeat or event). When the caller's deadline passes before the answer leaves, the service hands the
         task straight back (release_task_v1 with p_unconfirmed); an answer lost on the way costs
         nothing either: the unconfirmed lease lapses and the task is queued again, first in line.
+        The answer is a claim of one task: the pair (task id, lease token) fences every later write,
+        and ConfirmClaim with that token and task confirms it.
+        The `started` event's JSON travels back only for the Redis mirror (`mirror`); without it,
+        the service wakes the task's followers by its id.
         """
 
     @_abc_1.abstractmethod
@@ -792,8 +808,9 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.PurgeTasksResponse, _abc.Awaitable[_task_pb2.PurgeTasksResponse]]:
         """Deletes up to `batch_size` finished tasks older than the retention (settings.retention_days,
-        30; 0 keeps everything), never one whose reservation is not settled yet. Their events go with
-        them; the attempts ledger and the settlements keep the money history. Claim confirmations no
+        30; 0 keeps everything), never one whose reservation is not settled yet. Their stored events go
+        with them; the attempts ledger (with the `started` and clean terminal events it carries) and
+        the settlements keep the history. Claim confirmations no
         running task holds go too. Call until it purges 0.
         With dry_run it counts every task it would delete, in all batches, and deletes none.
         """
@@ -842,7 +859,8 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_task_pb2.WatchTaskEventsResponse], _abc.AsyncIterator[_task_pb2.WatchTaskEventsResponse]]:
         """Replays a task's events from the start (or after `after_sequence`) and follows them until
         the terminal one (completed, failed, cancelled or expired). Sequences count per task, in
-        commit order, so paging by them skips nothing. The SQL reads one page; the service repeats it,
+        commit order, so paging by them skips nothing. It reads generation.event_stream: the stored
+        events and those the attempts ledger carries. The SQL reads one page; the service repeats it,
         parking between pages until this process appends an event or a short re-check comes due.
         """
 
