@@ -19,7 +19,7 @@ Environment (each with its default):
     GENQ_HEARTBEAT_INTERVAL (60)         most seconds between lease heartbeats (a third of
                                          the lease when that is shorter)
     GENQ_DRAIN_TIMEOUT (30)              seconds in-flight renders get on SIGTERM
-    GENQ_REPORT_DELAY (0.005)            most seconds a heartbeat or report waits to share
+    GENQ_REPORT_DELAY (0)                most seconds a heartbeat or report waits to share
                                          its batch RPC with others (see workers_sdk.fleet)
     GENQ_TOKEN / GENQ_TOKEN_FILE         a worker token for the tool (genq token create
                                          --role worker --tool image-gen); none: anonymous
@@ -83,7 +83,7 @@ def make_fleet() -> WorkerFleet:
         poll_interval=float(env("GENQ_POLL_INTERVAL", "2.0")),
         heartbeat_interval=float(env("GENQ_HEARTBEAT_INTERVAL", "60")),
         drain_timeout=float(env("GENQ_DRAIN_TIMEOUT", "30")),
-        report_delay=float(env("GENQ_REPORT_DELAY", "0.005")),
+        report_delay=float(env("GENQ_REPORT_DELAY", "0")),
     )
     fleet.register(tool, render, concurrency=int(env("GENQ_CONCURRENCY", "4")))
     logging.getLogger(__name__).info("worker %s hosting %s", WORKER, tool)
