@@ -461,11 +461,11 @@ def pgqueuer_process(url: str, tasks: int, batch: int, pipe: Connection) -> None
     the drain's figures: the process and its connections are alive while their CPU is read."""
 
     async def main() -> None:
-        import asyncpg  # type: ignore[import-untyped,unused-ignore]
-        from pgqueuer import QueueManager  # type: ignore[import-not-found,unused-ignore]
-        from pgqueuer.db import AsyncpgDriver  # type: ignore[import-not-found,unused-ignore]
-        from pgqueuer.queries import Queries  # type: ignore[import-not-found,unused-ignore]
-        from pgqueuer.types import QueueExecutionMode  # type: ignore[import-not-found,unused-ignore]
+        import asyncpg
+        from pgqueuer import QueueManager
+        from pgqueuer.db import AsyncpgDriver
+        from pgqueuer.queries import Queries
+        from pgqueuer.types import QueueExecutionMode
 
         enqueuing = await asyncpg.connect(url)
         draining = await asyncpg.connect(url)
