@@ -242,13 +242,7 @@ class ServiceProcess:
 
     def stop(self) -> int:
         self.channel.close()
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        end_process(self.process)
         self.log.close()
         return self.process.returncode
 
@@ -312,3 +306,14 @@ def redis_service(
     client = redis.Redis.from_url(REDIS_URL)
     for key in client.scan_iter(f"{redis_environment}:*"):
         client.delete(key)
+
+
+def end_process(process: subprocess.Popen[Any]) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within 30 s; waits for it either way."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

@@ -26,7 +26,7 @@ from google.protobuf.struct_pb2 import Struct
 from generation.task.v1 import task_pb2
 from service import tokens
 from service.page.actions import form_token
-from tests.conftest import Databases, ServiceProcess, free_port, url_for, wait_for
+from tests.conftest import Databases, ServiceProcess, end_process, free_port, url_for, wait_for
 from tests.integration.test_status_page import CHROMIUM_FLAGS, Dom, chromium
 
 NANOS = 1_000_000_000
@@ -147,12 +147,7 @@ class Browser:
 
         self.loop.run_until_complete(close())
         self.loop.close()
-        self.process.terminate()
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        end_process(self.process)
 
 
 def button(action: str, field: str = "", value: str = "") -> str:
