@@ -48,10 +48,14 @@ default), and so does every heartbeat. The fleet's one beat schedule extends eac
 task's lease every min(`heartbeat_interval`, lease / 3), reckoned from the lease the last answer
 gave: two beats in a row may fail before the lease lapses, and a tool with
 a short lease is beaten often enough without tuning the fleet. When the service says the lease
-is gone (ABORTED, LEASE_LOST, from a heartbeat or an event publish), `ctx.lease_lost` is set and
-an async handler is cancelled (a sync one sees the flag and may stop early); whatever it returns
-or raises is dropped. Another worker owns the task now; any write from here would be refused
-anyway.
+is gone (ABORTED, LEASE_LOST, from a heartbeat or an event publish), `ctx.lease_lost` is set: the
+handler is told that its result will be dropped (another worker owns the task now; any write from
+here would be refused). Billed is billed (spec B): by default the handler runs on to its end, since a
+provider bills a call it has begun whether or not anyone waits for it, and a call cut off midway is
+billed too; when it returns, the fleet reports the cost it reported (`ctx.report_usage`), which the
+service keeps on the run's attempt. A handler may stop early (it watches `ctx.lease_lost`), and a tool
+registered with `stop_on_lease_lost=True` has its async handler cancelled at once instead (its cost so
+far still reported).
 
 Confirmation. The service counts a claim as a run only once its worker confirms it (ConfirmClaim, or
 a first heartbeat or event under the lease): a lease that lapses unconfirmed means the claim's
@@ -224,8 +228,9 @@ class TaskContext:
         self.lease_token = lease_token
         self.lease_lost = asyncio.Event()
         """Set when the service says this worker no longer holds the task: another worker may
-        run it now. An async handler is cancelled right after: its result would be dropped,
-        and paid work would go on for nothing, holding its slot."""
+        run it now, and this run's result will be dropped. The handler runs on to its end
+        unless it stops itself (or its tool was registered with `stop_on_lease_lost`): either
+        way the cost it reported is kept on the run's attempt (billed is billed)."""
         self.cancel_requested = asyncio.Event()
         """Set when a cancel of the task was asked for: stop; the run ends cancelled, and what
         it cost so far (`report_usage`) is recorded. An async handler is cancelled right after."""
@@ -236,7 +241,8 @@ class TaskContext:
         self._details = struct_pb2.Struct()
         self._resource_key = ""
         self._stop_handler: Callable[[], object] | None = None
-        """Cancels an async handler (set while one runs)."""
+        """Cancels an async handler when its lease is lost (set while one runs, when its tool
+        was registered with `stop_on_lease_lost`)."""
 
     @property
     def is_lease_lost(self) -> bool:
@@ -326,10 +332,16 @@ class TaskContext:
 
     def _lose_lease(self, why: str) -> None:
         if not self.lease_lost.is_set():
-            log.warning("task %s: lease lost (%s); its result will be dropped", self.task.id, why)
             self.lease_lost.set()
             if self._stop_handler is not None:
+                log.warning("task %s: lease lost (%s); stopping the handler", self.task.id, why)
                 self._stop_handler()
+            else:
+                log.warning(
+                    "task %s: lease lost (%s); its result will be dropped, its cost kept",
+                    self.task.id,
+                    why,
+                )
 
     async def _publish(
         self, kind: task_pb2.TaskEventKind.ValueType, data: Mapping[str, Any]
@@ -358,6 +370,8 @@ class _Lane:
     call: AsyncHandler
     concurrency: int
     runs_in_thread: bool
+    stop_on_lease_lost: bool
+    """Cancel an async handler once its lease is lost, rather than let it run to its end."""
     tool_id: str = ""
     runs: set[_Run] = field(default_factory=set)
     """Its claimed and confirmed tasks not yet let go (running or reporting)."""
@@ -627,7 +641,14 @@ class WorkerFleet:
 
     # -- registration -------------------------------------------------------------------------
 
-    def register(self, name: str, handler: Handler, *, concurrency: int | None = None) -> None:
+    def register(
+        self,
+        name: str,
+        handler: Handler,
+        *,
+        concurrency: int | None = None,
+        stop_on_lease_lost: bool = False,
+    ) -> None:
         """Hosts the tool `name`; its tasks run at most `concurrency` at a time.
 
         An `async def` handler runs on the fleet's event loop and must not block it (heartbeats
@@ -646,6 +667,10 @@ class WorkerFleet:
         handler runs in a thread of its own per lane: code not written for threads stays safe,
         and Python code that computes gains nothing from more threads (the GIL); raise it for
         a handler that blocks on I/O and is thread-safe.
+
+        `stop_on_lease_lost` (False): cancel an async handler as soon as its lease is lost. Left
+        False, it runs to its end and the cost it reports is kept (module docstring, "Leases"):
+        set it for a provider that does not bill a call cut off midway.
         """
         if self._loop is not None:
             raise RuntimeError("register tools before run()")
@@ -662,13 +687,17 @@ class WorkerFleet:
             call = functools.partial(self._in_thread, sync)
         else:
             call = cast(AsyncHandler, handler)
-        self._lanes[name] = _Lane(name, call, concurrency, runs_in_thread)
+        self._lanes[name] = _Lane(name, call, concurrency, runs_in_thread, stop_on_lease_lost)
 
-    def tool(self, name: str, *, concurrency: int | None = None) -> Callable[[Handler], Handler]:
+    def tool(
+        self, name: str, *, concurrency: int | None = None, stop_on_lease_lost: bool = False
+    ) -> Callable[[Handler], Handler]:
         """Decorator form of `register`."""
 
         def decorate(handler: Handler) -> Handler:
-            self.register(name, handler, concurrency=concurrency)
+            self.register(
+                name, handler, concurrency=concurrency, stop_on_lease_lost=stop_on_lease_lost
+            )
             return handler
 
         return decorate
@@ -1023,8 +1052,8 @@ class WorkerFleet:
         due = claimed_at + self._beat_interval(run) - asyncio.get_running_loop().time()
         self._schedule_beat(run, max(0.0, due))
         run.handling = True
-        if not run.lane.runs_in_thread:  # a thread cannot be interrupted: it sees the flag
-            ctx._stop_handler = functools.partial(self._interrupt, run)
+        if run.lane.stop_on_lease_lost and not run.lane.runs_in_thread:
+            ctx._stop_handler = functools.partial(self._interrupt, run)  # a thread sees the flag
         output: Output = None
         error: BaseException | None = None
         try:
@@ -1227,20 +1256,25 @@ class WorkerFleet:
 
     async def _report_cost(self, run: _Run) -> None:
         """Billed is billed: a run whose lease was lost still tells the service what it cost.
-        The ReleaseTask is refused (LEASE_LOST) but the cost lands on the run's attempt."""
+        The ReleaseTask is refused (LEASE_LOST) but the cost lands on the run's attempt. The
+        lease ended long ago when the handler ran on to its end: the report is tried for a
+        lease's length from now (the service takes a late cost whenever it comes)."""
         ctx = run.ctx
         cost = ctx.reported_usage().cost_nanos
         if cost > 0:
             request = task_pb2.ReleaseTaskRequest(
                 task_id=ctx.task.id, lease_token=ctx.lease_token, cost_nanos=cost
             )
-            await self._report(run, "report cost", request)
+            until = asyncio.get_running_loop().time() + run.lease
+            await self._report(run, "report cost", request, until=until)
 
-    async def _report(self, run: _Run, what: str, request: Message) -> GenqError | None:
+    async def _report(
+        self, run: _Run, what: str, request: Message, *, until: float | None = None
+    ) -> GenqError | None:
         """Sends the write that ends this worker's hold on the task (CompleteTask, FailTask or
         ReleaseTask) in a span named `what`; returns the error that refused it, if any.
         CompleteTask and FailTask go in a batch; a failure is tried again as REPORT says (in
-        the next batch)."""
+        the next batch) until the lease ends (or `until`, loop time), or the drain's deadline."""
         method = type(request).__name__.removesuffix("Request")
         ctx = run.ctx
         batcher = self._reports.get(method)
@@ -1265,7 +1299,9 @@ class WorkerFleet:
                     REPORT,
                     send,
                     retry_on=_transient,
-                    deadline=lambda: min(run.lease_until, self._report_deadline()),
+                    deadline=lambda: min(
+                        run.lease_until if until is None else until, self._report_deadline()
+                    ),
                     on_retry=failed,
                 )
             except GenqError as error:

@@ -380,28 +380,67 @@ def test_events_are_visible_through_watch(service: ServiceProcess, db: Db) -> No
 
 
 @pytest.mark.parametrize("noticed_by", ["heartbeat", "publish"])
-def test_lost_lease_is_signalled_and_the_result_dropped(
+def test_a_handler_whose_lease_is_lost_runs_on_and_its_cost_is_kept(
     service: ServiceProcess, db: Db, noticed_by: str
 ) -> None:
-    """Another claimer takes the task (its token replaces ours): the next heartbeat or event
-    publish hears LEASE_LOST, the handler sees ctx.lease_lost and is cancelled (it ran on for
-    nothing, holding its slot), and its result is dropped."""
+    """Billed is billed. Another claimer takes the task (its token replaces ours): the next
+    heartbeat or event publish hears LEASE_LOST and the handler sees ctx.lease_lost, but is
+    not cancelled: it finishes its provider call, reports what it cost, and returns. Its result
+    is dropped (the task is untouched) and its cost lands on the run's attempt."""
     name = tool_name()
     heartbeat_interval = 0.2 if noticed_by == "heartbeat" else 60.0
     fleet = new_fleet(service, heartbeat_interval=heartbeat_interval)
     started = threading.Event()
     stolen = threading.Event()
-    seen: list[bool] = []
+    finished: list[bool] = []
 
     @fleet.tool(name)
     async def handler(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
         started.set()
+        assert await asyncio.to_thread(stolen.wait, 10)
+        if noticed_by == "publish":
+            await ctx.progress(0.9, "after the steal")
+        await asyncio.wait_for(ctx.lease_lost.wait(), 10)
+        await asyncio.sleep(0.3)  # the provider's call goes on, and is billed at its end
+        ctx.report_usage(cost_nanos=7_000)
+        finished.append(ctx.is_lease_lost)
+        return {"dropped": "this"}
+
+    with running(fleet):
+        task_id = queue(service.stub, fleet.tool_ids[name])
+        wait_for(started.is_set, what="the handler to start")
+        db.execute(
+            "UPDATE generation.tasks SET lease_token = gen_random_uuid() WHERE id = %s", [task_id]
+        )
+        stolen.set()
+        wait_for(lambda: finished, what="the handler to run to its end")
+        wait_for(lambda: fleet.in_flight[name] == 0, what="the fleet to let the task go")
+        held = row(db, task_id)
+        attempt = db.execute(
+            "SELECT outcome::text, cost_nanos FROM generation.attempts WHERE task_id = %s",
+            [task_id],
+        ).fetchone()
+    assert finished == [True]
+    assert (held["status"], held["output"], held["error"]) == ("processing", None, None)
+    assert events(db, task_id) == [{"kind": "started", "data": {"attempt": 1}}]
+    assert attempt == {"outcome": "lease_lost", "cost_nanos": 7_000}
+
+
+def test_stop_on_lease_lost_cancels_the_handler(service: ServiceProcess, db: Db) -> None:
+    """A tool registered with stop_on_lease_lost: its async handler is cancelled once its lease
+    is lost (a provider that bills nothing for a call cut off), and the cost it reported before
+    is still kept."""
+    name = tool_name()
+    fleet = new_fleet(service, heartbeat_interval=0.2)
+    started = threading.Event()
+    seen: list[bool] = []
+
+    @fleet.tool(name, stop_on_lease_lost=True)
+    async def handler(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
+        ctx.report_usage(cost_nanos=3_000)
+        started.set()
         try:
-            assert await asyncio.to_thread(stolen.wait, 10)
-            if noticed_by == "publish":
-                await ctx.progress(0.9, "after the steal")
-            await ctx.lease_lost.wait()  # bounded by the test's wait for `seen`
-            await asyncio.sleep(30)  # paid work going on: the fleet cancels it
+            await asyncio.sleep(30)  # cancelled by the fleet, well before this ends
         except asyncio.CancelledError:
             seen.append(ctx.is_lease_lost)
             raise
@@ -413,13 +452,14 @@ def test_lost_lease_is_signalled_and_the_result_dropped(
         db.execute(
             "UPDATE generation.tasks SET lease_token = gen_random_uuid() WHERE id = %s", [task_id]
         )
-        stolen.set()
-        wait_for(lambda: seen, what="the handler to see its lease lost")
+        wait_for(lambda: seen, what="the handler to be cancelled")
         wait_for(lambda: fleet.in_flight[name] == 0, what="the fleet to let the task go")
-        held = row(db, task_id)
+        attempt = db.execute(
+            "SELECT outcome::text, cost_nanos FROM generation.attempts WHERE task_id = %s",
+            [task_id],
+        ).fetchone()
     assert seen == [True]
-    assert (held["status"], held["output"], held["error"]) == ("processing", None, None)
-    assert events(db, task_id) == [{"kind": "started", "data": {"attempt": 1}}]
+    assert attempt == {"outcome": "lease_lost", "cost_nanos": 3_000}
 
 
 def test_process_span_continues_the_enqueued_trace(service: ServiceProcess, db: Db) -> None:
@@ -1054,8 +1094,7 @@ def test_a_lease_lost_in_a_batch_reaches_only_its_task(
 ) -> None:
     """Three tasks beaten and completed in shared batches; another claimer takes the middle
     one. Its heartbeat is refused LEASE_LOST inside a HeartbeatTasks that the other two pass:
-    only its ctx.lease_lost is set (and its handler cancelled), its result is dropped, and the
-    other two complete."""
+    only its ctx.lease_lost is set, its result is dropped, and the other two complete."""
     name = tool_name()
     fleet = new_fleet(service, heartbeat_interval=0.3, report_delay=0.1)
     started: dict[int, TaskContext] = {}
@@ -1066,11 +1105,7 @@ def test_a_lease_lost_in_a_batch_reaches_only_its_task(
     async def handler(task: task_pb2.Task, ctx: TaskContext) -> dict[str, Any]:
         n = int(ctx.input["n"])
         started[n] = ctx
-        try:
-            assert await asyncio.to_thread(release.wait, 20)
-        except asyncio.CancelledError:  # the stolen one: cancelled as its lease is lost
-            lost[n] = ctx.is_lease_lost
-            raise
+        assert await asyncio.to_thread(release.wait, 20)
         lost[n] = ctx.is_lease_lost
         return {"n": n}
 
