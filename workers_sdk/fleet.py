@@ -48,14 +48,14 @@ default), and so does every heartbeat. The fleet's one beat schedule extends eac
 task's lease every min(`heartbeat_interval`, lease / 3), reckoned from the lease the last answer
 gave: two beats in a row may fail before the lease lapses, and a tool with
 a short lease is beaten often enough without tuning the fleet. When the service says the lease
-is gone (ABORTED, LEASE_LOST, from a heartbeat or an event publish), `ctx.lease_lost` is set: the
-handler is told that its result will be dropped (another worker owns the task now; any write from
-here would be refused). Billed is billed (spec B): by default the handler runs on to its end, since a
-provider bills a call it has begun whether or not anyone waits for it, and a call cut off midway is
-billed too; when it returns, the fleet reports the cost it reported (`ctx.report_usage`), which the
-service keeps on the run's attempt. A handler may stop early (it watches `ctx.lease_lost`), and a tool
-registered with `stop_on_lease_lost=True` has its async handler cancelled at once instead (its cost so
-far still reported).
+is gone (ABORTED, LEASE_LOST, from a heartbeat or an event publish), `ctx.lease_lost` is set:
+the handler is told that its result will be dropped (another worker owns the task now; any write
+from here would be refused). Billed is billed (spec B): by default the handler runs on to its
+end, since a provider bills a call it has begun whether or not anyone waits for it, and a call
+cut off midway is billed too; when it returns, the fleet reports the cost it reported
+(`ctx.report_usage`), which the service keeps on the run's attempt. A handler may stop early (it
+watches `ctx.lease_lost`), and a tool registered with `stop_on_lease_lost=True` has its async
+handler cancelled at once instead (its cost so far still reported).
 
 Confirmation. The service counts a claim as a run only once its worker confirms it (ConfirmClaim, or
 a first heartbeat or event under the lease): a lease that lapses unconfirmed means the claim's
