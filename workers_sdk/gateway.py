@@ -64,6 +64,8 @@ class NewTask:
     max_retries: int | None = None
     reserved_token_amount: int | None = None
     idempotency_key: str | None = None
+    rate_units: int | None = None
+    """The units its run is expected to use (tokens, say), for its resource key's rate limit."""
 
 
 @dataclass
@@ -159,6 +161,7 @@ class GatewayClient:
         max_retries: int | None = None,
         reserved_token_amount: int = 0,
         idempotency_key: str | None = None,
+        rate_units: int = 0,
     ) -> task_pb2.Task:
         """Queues one task and returns it as stored.
 
@@ -167,14 +170,17 @@ class GatewayClient:
         `priority` and `max_retries` take the service's defaults (0 and the tool's
         max_attempts). `idempotency_key` makes the enqueue idempotent per tool: the same key and
         input answer with the task already queued (a different input is ALREADY_EXISTS); it is
-        also stored as the billing key the gateway settles against.
+        also stored as the billing key the gateway settles against. `rate_units` is what its run
+        is expected to use (tokens, say), counted against its resource key's rate limit.
         """
         with self.tracer.start_as_current_span(
             f"enqueue {tool_id}",
             kind=trace.SpanKind.PRODUCER,
             attributes={"genq.tool_id": tool_id},
         ) as span:
-            item = NewTask(input, priority, max_retries, reserved_token_amount, idempotency_key)
+            item = NewTask(
+                input, priority, max_retries, reserved_token_amount, idempotency_key, rate_units
+            )
             # The traceparent is taken inside the span, so it names the enqueue span; with no
             # tracing SDK installed it is the caller's own context (or "" when there is none).
             request = _queue_request(tool_id, item, NewTask({}), current_traceparent())
@@ -394,6 +400,8 @@ def _fill(
     max_retries = defaults.max_retries if own.max_retries is None else own.max_retries
     if max_retries is not None:
         request.max_retries = max_retries
+    if units := own.rate_units:
+        request.rate_units = units
 
 
 _NONE_OF_ITS_OWN = NewTask({})

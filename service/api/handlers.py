@@ -57,6 +57,9 @@ from service.settings import Settings
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("genq.service")
 UNTRACED_PROVIDERS = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
+RATE_SLOT_MARGIN_SECONDS = 0.01
+"""A parked claim whose key is rate-limited claims again this long at least after the moment the
+next slot frees by the database (a slot frees strictly after it)."""
 """The API's own providers: no tracer provider is set up, every span would be a no-op."""
 _UNTRACED = contextlib.nullcontext()
 
@@ -172,7 +175,11 @@ class Handlers:
                     return rows
                 if remaining <= 0 or self._stopping:
                     return rows
-                await wake.wait(waiter, min(remaining, self.settings.recheck_seconds))
+                # A rate-limited claim looks again when the key's next slot frees.
+                again = self.settings.recheck_seconds
+                if rows[0]["idle_seconds"] is not None:
+                    again = min(again, max(rows[0]["idle_seconds"], RATE_SLOT_MARGIN_SECONDS))
+                await wake.wait(waiter, min(remaining, again))
                 if self._stopping:
                     return rows
             finally:

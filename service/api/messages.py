@@ -82,6 +82,7 @@ def task_into(target: task_pb2.Task, row: Row, moments: Moments | None = None) -
     target.reserved_token_amount = row["reserved_token_amount"]
     target.attempt_count = row["attempt_count"]
     target.unconfirmed_claims = row["unconfirmed_claims"]
+    target.rate_units = row["rate_units"]
     for name in TEXT_COLUMNS:
         if value := row[name]:
             setattr(target, name, value)
@@ -178,6 +179,21 @@ def timestamp(target: timestamp_pb2.Timestamp, value: datetime | None) -> None:
         since = value - EPOCH
         target.seconds = since.days * 86_400 + since.seconds
         target.nanos = since.microseconds * 1_000
+
+
+def rate_limit_into(target: task_pb2.RateLimit, row: Row) -> None:
+    """Fills in a rate limit from the columns of generation.rate_limits and of its window
+    (generation.rate_window_v1)."""
+    target.resource_key = row["resource_key"]
+    if row["max_calls"] is not None:
+        target.max_calls = row["max_calls"]
+    if row["max_units"] is not None:
+        target.max_units = row["max_units"]
+    target.window.FromSeconds(row["window_seconds"])
+    target.calls = row["calls"]
+    target.units = row["units"]
+    if row["at_limit"]:
+        timestamp(target.limited_until, row["frees_at"])
 
 
 def task_event(event: Row) -> task_pb2.TaskEvent:

@@ -231,6 +231,25 @@ class QueueCollector:
                 depth.add_metric([tool.name, name], row.count if row else 0)
                 age = row.oldest_age.ToTimedelta().total_seconds() if row else 0.0
                 oldest.add_metric([tool.name, name], age)
+        calls = GaugeMetricFamily(
+            "genq_rate_limit_calls",
+            "Runs a rate-limited resource key started in its window that ends now.",
+            labels=["resource_key"],
+        )
+        units = GaugeMetricFamily(
+            "genq_rate_limit_units",
+            "Units (rate_units) a rate-limited resource key admitted in its window that ends now.",
+            labels=["resource_key"],
+        )
+        limited = GaugeMetricFamily(
+            "genq_rate_limited",
+            "1 while a rate-limited resource key is at its limit (claims answer rate_limited).",
+            labels=["resource_key"],
+        )
+        for rate in status.rate_limits:
+            calls.add_metric([rate.resource_key], rate.calls)
+            units.add_metric([rate.resource_key], rate.units)
+            limited.add_metric([rate.resource_key], int(rate.HasField("limited_until")))
         dead = GaugeMetricFamily(
             "genq_dead_tuples",
             "Dead tuples per table of the generation schema (pg_stat_user_tables.n_dead_tup).",
@@ -279,6 +298,9 @@ class QueueCollector:
                 "Live tasks that can never finish on their own (see ListStaleTasks).",
                 status.stale_tasks,
             ),
+            calls,
+            units,
+            limited,
             dead,
             _gauge(
                 "genq_lease_lapses_last_hour",

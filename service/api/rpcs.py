@@ -46,6 +46,12 @@ MAX_CLAIM_BATCH = 100
 MAX_NAME = 200
 MAX_IN_FLIGHT = 100_000
 """The highest concurrency limit of a tool or a resource key."""
+MAX_RATE_CALLS = 1_000_000
+MAX_RATE_LIMIT_UNITS = 10**15
+MAX_RATE_UNITS = 10**12
+"""The most runs and units a rate limit allows per window, and the most units one task may say
+its run uses (QueueTaskRequest.rate_units)."""
+MAX_RATE_WINDOW_SECONDS = 86_400
 DEFAULT_PAGE = 500
 MAX_PAGE = 10_000
 MAX_TEXT = 8_192
@@ -174,6 +180,7 @@ def _task_fields(request: task_pb2.QueueTaskRequest, settings: Settings) -> Para
         fields["cost_estimate_nanos"] = validation.amount(
             "cost_estimate_nanos", request.cost_estimate_nanos
         )
+    fields["rate_units"] = validation.in_range("rate_units", request.rate_units, 0, MAX_RATE_UNITS)
     return fields
 
 
@@ -210,7 +217,7 @@ def bind_queue_tasks(request: task_pb2.QueueTasksRequest, settings: Settings) ->
         ttl = fields.pop("ttl_seconds")
         if ttl != DEFAULT_TTL_SECONDS:
             fields["ttl_seconds"] = ttl or 0  # 0: never expires
-        for name in ("priority", "reserved_token_amount"):
+        for name in ("priority", "reserved_token_amount", "rate_units"):
             if not fields[name]:
                 del fields[name]
         for moment in ("run_at", "expires_at"):
@@ -289,7 +296,9 @@ def respond_claim_tasks(rows: list[Row]) -> task_pb2.ClaimTasksResponse:
     if rows[0]["idle_reason"] == "unknown_tool":
         raise ToolNotFound("tool not found")
     if rows[0]["id"] is None:
-        return task_pb2.ClaimTasksResponse(idle_reason=_idle_reason(rows[0]))
+        idle = task_pb2.ClaimTasksResponse(idle_reason=_idle_reason(rows[0]))
+        messages.timestamp(idle.idle_until, rows[0]["idle_until"])
+        return idle
     response = task_pb2.ClaimTasksResponse()
     moments = messages.Moments()
     for row in rows:
@@ -574,6 +583,32 @@ def bind_get_resource_key(request: task_pb2.GetResourceKeyRequest, settings: Set
     return {"resource_key": _key("resource_key", request.resource_key)}
 
 
+def bind_set_rate_limit(request: task_pb2.SetRateLimitRequest, settings: Settings) -> Params:
+    window = 60.0
+    if request.HasField("window"):
+        window = validation.seconds("window", request.window, most=MAX_RATE_WINDOW_SECONDS)
+        if window < 1 or window != int(window):
+            raise InvalidArgument("window must be whole seconds, at least 1 s", field="window")
+    return {
+        "resource_key": _key("resource_key", request.resource_key),
+        "max_calls": _optional(
+            request, "max_calls", lambda n, v: validation.in_range(n, v, 1, MAX_RATE_CALLS)
+        ),
+        "max_units": _optional(
+            request, "max_units", lambda n, v: validation.in_range(n, v, 1, MAX_RATE_LIMIT_UNITS)
+        ),
+        "window_seconds": int(window),
+    }
+
+
+def respond_set_rate_limit(rows: list[Row]) -> task_pb2.SetRateLimitResponse:
+    (row,) = rows
+    message = task_pb2.SetRateLimitResponse()
+    if row["resource_key"] is not None:
+        messages.rate_limit_into(message.rate_limit, row)
+    return message
+
+
 def respond_get_resource_key(rows: list[Row]) -> task_pb2.GetResourceKeyResponse:
     (row,) = rows
     message = task_pb2.GetResourceKeyResponse(
@@ -584,6 +619,8 @@ def respond_get_resource_key(rows: list[Row]) -> task_pb2.GetResourceKeyResponse
     messages.timestamp(message.cooling_until, row["cooling_until"])
     if row["max_in_flight"] is not None:
         message.max_in_flight = row["max_in_flight"]
+    if row["window_seconds"] is not None:
+        messages.rate_limit_into(message.rate_limit, row)
     return message
 
 
@@ -804,7 +841,9 @@ def respond_claim(rows: list[Row]) -> task_pb2.ClaimNextTaskResponse:
     if row["idle_reason"] == "unknown_tool":
         raise ToolNotFound("tool not found")
     if row["id"] is None:
-        return task_pb2.ClaimNextTaskResponse(idle_reason=_idle_reason(row))
+        idle = task_pb2.ClaimNextTaskResponse(idle_reason=_idle_reason(row))
+        messages.timestamp(idle.idle_until, row["idle_until"])
+        return idle
     response = task_pb2.ClaimNextTaskResponse(
         task=messages.task(row), lease_token=str(row["lease_token"])
     )
@@ -963,6 +1002,7 @@ BINDINGS: dict[str, Binding] = {
     ),
     "SettleTask": Binding(bind_task_id, respond_settle),
     "SetResourceLimit": Binding(bind_set_resource_limit, respond_set_resource_limit),
+    "SetRateLimit": Binding(bind_set_rate_limit, respond_set_rate_limit),
     "GetResourceKey": Binding(bind_get_resource_key, respond_get_resource_key),
     "ListAuditEntries": Binding(
         bind_list_audit_entries,

@@ -648,6 +648,7 @@ def render_page(
         at=lambda stamp: stamp.ToDatetime(tzinfo=UTC),
         age=lambda span: _duration(span.ToTimedelta()),
         status_name=_status_name,
+        rate_limit=_rate_limit,
         detail=lambda entry: json.dumps(json_format.MessageToDict(entry.detail), sort_keys=True),
         chart_size=(CHART_WIDTH, CHART_HEIGHT, PLOT_LEFT, PLOT_RIGHT, PLOT_BOTTOM),
         controls=controls,
@@ -803,9 +804,22 @@ def _tool_badges(tool: task_pb2.ToolStatus, settings: task_pb2.Settings) -> list
     if tool.busy:
         limit = f" of {tool.max_in_flight}" if tool.HasField("max_in_flight") else ""
         badges.append(("warn", f"busy {tool.in_flight}{limit} running"))
+    if tool.HasField("rate_limited_until"):
+        badges.append(("warn", "rate limited"))
     if tool.no_worker_seen:
         badges.append(("bad", "no worker seen"))
     return badges or [("ok", "ok")]
+
+
+def _rate_limit(rate: task_pb2.RateLimit) -> str:
+    """A rate limit's bounds and what its window holds: "12/30 calls per 1m"."""
+    window = _duration(rate.window.ToTimedelta())
+    bounds = []
+    if rate.HasField("max_calls"):
+        bounds.append(f"{rate.calls}/{rate.max_calls} calls")
+    if rate.HasField("max_units"):
+        bounds.append(f"{rate.units:,}/{rate.max_units:,} units")
+    return f"{', '.join(bounds)} per {window}"
 
 
 def _last_claim(tool: task_pb2.ToolStatus, now: datetime) -> str:

@@ -144,6 +144,10 @@ def wait_reason(
             return f"its account group {account_group} is held until {until}"
     if tool is not None and tool.busy:
         return f"its tool or resource key is busy ({tool.in_flight} running)"
+    for rate in status.rate_limits:
+        if resource_key and rate.resource_key == resource_key and rate.HasField("limited_until"):
+            until = _stamp(rate.limited_until.ToDatetime(tzinfo=UTC), zone)
+            return f"its resource key {resource_key} is at its rate limit; a slot frees at {until}"
     if tool is not None and tool.no_worker_seen:
         return "no worker has claimed its tool's tasks for 10 minutes or more"
     return "ready: waiting for a worker to claim it"

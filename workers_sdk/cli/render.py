@@ -129,8 +129,25 @@ def resource_key(value: task_pb2.GetResourceKeyResponse) -> str:
             f"failures in a row{' since it started cooling' if value.cooling else ''}: "
             f"{value.consecutive_failures}",
             f"max in flight: {_optional(value, 'max_in_flight')}",
+            "rate limit: "
+            + (rate_limit(value.rate_limit) if value.HasField("rate_limit") else "-"),
         ]
     )
+
+
+def rate_limit(value: task_pb2.RateLimit) -> str:
+    """A rate limit on one line: its bounds per window, what the window holds, and when the next
+    slot frees while it is at its limit."""
+    window = duration(value.window.ToTimedelta().total_seconds())
+    bounds = []
+    if value.HasField("max_calls"):
+        bounds.append(f"{value.calls}/{value.max_calls} calls")
+    if value.HasField("max_units"):
+        bounds.append(f"{value.units}/{value.max_units} units")
+    shown = f"{', '.join(bounds)} per {window}"
+    if value.HasField("limited_until"):
+        shown += f"; at its limit until {when(value.limited_until)}"
+    return shown
 
 
 def status(value: task_pb2.Status, verdict: str) -> str:
@@ -192,6 +209,8 @@ def status(value: task_pb2.Status, verdict: str) -> str:
         )
     for h in value.holds:
         parts.append(f"held: {h.account_group} until {when(h.held_until)} ({h.reason or '-'})")
+    for r in value.rate_limits:
+        parts.append(f"rate limit: {r.resource_key}: {rate_limit(r)}")
     completed = sum(m.completed for m in value.last_hour)
     failed = sum(m.failed for m in value.last_hour)
     parts.append(f"stale tasks: {value.stale_tasks}")

@@ -1,6 +1,6 @@
 """The commands on what a task runs against: a tool's settings (configure), the concurrency
-limit and state of a resource key (limit, key), and the early end of a cooldown or an account
-hold (release-cooldown, release-hold: the spec's "release it early")."""
+limit, rate limit and state of a resource key (limit, rate-limit, key), and the early end of a
+cooldown or an account hold (release-cooldown, release-hold: the spec's "release it early")."""
 
 from __future__ import annotations
 
@@ -15,6 +15,10 @@ from workers_sdk.commands import DONE, Command, UsageError, arg, flag
 MAX_IN_FLIGHT = 100_000
 """The highest concurrency limit the service takes (MAX_IN_FLIGHT in service/api/rpcs.py)."""
 in_flight = whole(1, MAX_IN_FLIGHT)
+MAX_RATE_CALLS = 1_000_000
+MAX_RATE_LIMIT_UNITS = 10**15
+MAX_RATE_WINDOW_SECONDS = 86_400
+"""A rate limit's bounds as the service takes them (MAX_RATE_* in service/api/rpcs.py)."""
 
 TOOL_SETTINGS = (
     "max_attempts",
@@ -58,6 +62,23 @@ async def cmd_limit(args: argparse.Namespace) -> int:
         f"at most {done.max_in_flight} in flight" if done.HasField("max_in_flight") else "no limit"
     )
     answer(args, done, f"resource key {done.resource_key}: {limit}")
+    return DONE
+
+
+async def cmd_rate_limit(args: argparse.Namespace) -> int:
+    bounds = args.calls is not None or args.units is not None
+    if bounds == args.clear:
+        raise UsageError("give --calls and/or --units, or --clear")
+    request = pb.SetRateLimitRequest(resource_key=args.key)
+    if args.calls is not None:
+        request.max_calls = args.calls
+    if args.units is not None:
+        request.max_units = args.units
+    if args.window is not None:
+        request.window.FromSeconds(args.window)
+    done = await call(args, "SetRateLimit", request)
+    shown = render.rate_limit(done.rate_limit) if done.HasField("rate_limit") else "no rate limit"
+    answer(args, done, f"resource key {args.key}: {shown}")
     return DONE
 
 
@@ -146,11 +167,41 @@ COMMANDS = [
         ],
     ),
     Command(
+        "rate-limit",
+        cmd_rate_limit,
+        "limit how many tasks of a resource key start per window, or --clear the limit",
+        "Set the rate limit of resource key KEY across tools and replicas (SetRateLimit): in any "
+        "window (--window, 60 s unless given) at most --calls runs of the key start and at most "
+        "--units of their tasks' rate_units are admitted. A claim beyond it leaves the key's tasks "
+        "queued (IDLE_REASON_RATE_LIMITED, with when the next slot frees). Setting it again "
+        "replaces both bounds; --clear removes it. Audited.",
+        [
+            arg("key KEY", "a resource key"),
+            arg(
+                "--calls N",
+                f"at most N runs start per window (1 to {MAX_RATE_CALLS})",
+                type=whole(1, MAX_RATE_CALLS),
+            ),
+            arg(
+                "--units N",
+                f"at most N units admitted per window (1 to {MAX_RATE_LIMIT_UNITS})",
+                type=whole(1, MAX_RATE_LIMIT_UNITS),
+            ),
+            arg(
+                "--window SECONDS",
+                f"the window's length (1 to {MAX_RATE_WINDOW_SECONDS}; default 60)",
+                type=whole(1, MAX_RATE_WINDOW_SECONDS),
+            ),
+            flag("--clear", "remove the rate limit"),
+        ],
+    ),
+    Command(
         "key",
         cmd_key,
-        "a resource key: cooling, failures in a row, its limit",
+        "a resource key: cooling, failures in a row, its limits",
         "Show resource key KEY (GetResourceKey): whether it cools and until when, its retryable "
-        "failures in a row, and its concurrency limit.",
+        "failures in a row, its concurrency limit, and its rate limit with what its window "
+        "holds now.",
         [arg("key KEY", "a resource key")],
     ),
     Command(

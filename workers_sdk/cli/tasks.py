@@ -75,7 +75,7 @@ async def cmd_enqueue(args: argparse.Namespace) -> int:
         on_conflict=pb.OnConflict.Value(f"ON_CONFLICT_{args.on_conflict.upper()}"),
     )
     request.input.update(args.input)
-    for name in ("priority", "max_retries", "cost_estimate_nanos"):
+    for name in ("priority", "max_retries", "cost_estimate_nanos", "rate_units"):
         if getattr(args, name) is not None:
             setattr(request, name, getattr(args, name))
     if args.run_after is not None:
@@ -242,6 +242,11 @@ COMMANDS = [
                 "reserved against the caps while it runs, in currency units",
                 type=amount,
                 dest="cost_estimate_nanos",
+            ),
+            arg(
+                "--rate-units N",
+                "the units its run is expected to use, for its key's rate limit (--units)",
+                type=whole(0, 10**12),
             ),
         ],
     ),

@@ -91,12 +91,13 @@ IDLE_EXIT: dict[str, int] = {
     "IDLE_REASON_COOLING": DONE,
     "IDLE_REASON_HELD": DONE,
     "IDLE_REASON_BUSY": DONE,
+    "IDLE_REASON_RATE_LIMITED": DONE,
     "IDLE_REASON_DISABLED": DISABLED,
     "IDLE_REASON_PAUSED": DISABLED,
     "IDLE_REASON_CAPPED": CAPPED,
 }
-"""--until-empty: the exit code each idle reason asks for. A reason not listed (one a newer
-service adds, like a rate limit's) is a deliberate wait: 0."""
+"""--until-empty: the exit code each idle reason asks for; the waits (rate_limited too) end the
+run as "waiting", 0."""
 
 PRECEDENCE = (DISABLED, CAPPED, DONE)
 """When the tools idle for different reasons, the first of these any of them asks for."""

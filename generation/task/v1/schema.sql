@@ -106,6 +106,8 @@ CREATE TABLE generation.tasks (
     -- The requeue_keys of the QueueTask REQUEUEs that created it or queued it again: one sent
     -- again after a lost answer finds its key here, on the row it holds locked.
     requeue_keys text[],
+    -- The units its run is expected to use (tokens, say), for its key's rate limit (max_units).
+    rate_units bigint NOT NULL DEFAULT 0,
     CONSTRAINT tasks_priority_range CHECK (priority BETWEEN -100 AND 100),
     CONSTRAINT tasks_max_retries_range CHECK (max_retries BETWEEN 0 AND 100),
     CONSTRAINT tasks_retry_count_nonnegative CHECK (retry_count >= 0),
@@ -113,7 +115,8 @@ CREATE TABLE generation.tasks (
     CONSTRAINT tasks_lease_held_while_processing
         CHECK ((status = 'processing') = (lease_token IS NOT NULL AND claim_expires_at IS NOT NULL)),
     CONSTRAINT tasks_cost_estimate_nonnegative CHECK (cost_estimate_nanos >= 0),
-    CONSTRAINT tasks_source_length CHECK (char_length(source) <= 200)
+    CONSTRAINT tasks_source_length CHECK (char_length(source) <= 200),
+    CONSTRAINT tasks_rate_units_nonnegative CHECK (rate_units >= 0)
 )
 -- A hot queue: leave room on each page so heartbeats stay HOT, and vacuum after a few
 -- thousand dead rows instead of 20 % of the table.
@@ -262,6 +265,29 @@ CREATE TABLE generation.resource_limits (
     max_in_flight integer NOT NULL,
     CONSTRAINT resource_limits_max_in_flight_positive CHECK (max_in_flight >= 1)
 );
+
+-- Rate limits per resource key, across tools (a provider's requests and tokens per minute for a
+-- model, say): in any window of window_seconds, at most max_calls runs of the key start and at
+-- most max_units of their tasks' rate_units are admitted (NULL: no limit of that kind).
+CREATE TABLE generation.rate_limits (
+    resource_key text PRIMARY KEY,
+    max_calls integer,
+    max_units bigint,
+    window_seconds integer NOT NULL DEFAULT 60,
+    CONSTRAINT rate_limits_positive CHECK (max_calls >= 1 AND max_units >= 1),
+    CONSTRAINT rate_limits_some CHECK (max_calls IS NOT NULL OR max_units IS NOT NULL),
+    CONSTRAINT rate_limits_window_range CHECK (window_seconds BETWEEN 1 AND 86400)
+);
+
+-- The runs the claim started under a rate limit: their key, when (the claim's now(), as the
+-- attempt's started_at) and their units. Written only for keys with a rate limit; PurgeTasks
+-- deletes what left its window.
+CREATE TABLE generation.rate_admissions (
+    resource_key text NOT NULL,
+    admitted_at timestamptz NOT NULL,
+    units bigint NOT NULL
+);
+CREATE INDEX rate_admissions_window_idx ON generation.rate_admissions (resource_key, admitted_at);
 
 -- Account holds per group, after an account error (out of credit, say).
 CREATE TABLE generation.holds (
@@ -684,6 +710,37 @@ AS $$
         LIMIT p_limit) AS running
 $$;
 
+-- A rate-limited key's window as it stands now, given its limit: the runs it started and the
+-- units it admitted since now() - window, whether that is the limit (no call, or no unit, left),
+-- and when the oldest of them leaves the window (the next slot frees). The one reading of a
+-- rate limit: the claim (under the limit's row lock), the watchdog, GetStatus, GetResourceKey.
+CREATE FUNCTION generation.rate_window_v1(
+    p_key text, p_max_calls integer, p_max_units bigint, p_window_seconds integer
+) RETURNS TABLE (calls bigint, units bigint, at_limit boolean, frees_at timestamptz)
+LANGUAGE sql STABLE
+AS $$
+    SELECT w.calls, w.units,
+           COALESCE(w.calls >= p_max_calls, false) OR COALESCE(w.units >= p_max_units, false),
+           w.oldest + make_interval(secs => p_window_seconds)
+    FROM (SELECT count(*) AS calls, COALESCE(sum(a.units), 0)::bigint AS units,
+                 min(a.admitted_at) AS oldest
+          FROM generation.rate_admissions AS a
+          WHERE a.resource_key = p_key
+            AND a.admitted_at > now() - make_interval(secs => p_window_seconds)) AS w
+$$;
+
+-- The keys among p_keys (NULL: every key) at their rate limit now, and the earliest time one of
+-- them frees a slot.
+CREATE FUNCTION generation.rate_limited_v1(p_keys text[])
+RETURNS TABLE (keys text[], frees_at timestamptz)
+LANGUAGE sql STABLE
+AS $$
+    SELECT COALESCE(array_agg(r.resource_key), '{}'), min(w.frees_at)
+    FROM generation.rate_limits AS r,
+         generation.rate_window_v1(r.resource_key, r.max_calls, r.max_units, r.window_seconds) AS w
+    WHERE (p_keys IS NULL OR r.resource_key = ANY (p_keys)) AND w.at_limit
+$$;
+
 -- Why a live task can never finish on its own, or NULL: the one definition of "stale" for
 -- ListStaleTasks, the status page and the reaper (reap_task_v1), with the stored thresholds.
 -- A queued task is abandoned only when nothing deliberate holds it now (switch, cap, pause) and
@@ -694,7 +751,8 @@ $$;
 -- for no more work until a run ends, and its queue is waiting, not abandoned.
 -- The claim holds every task of a tool back while the tool's own key cools, its own group is
 -- held or its own key is at its limit, and a task with a key or group of its own also while
--- that one does: both count here as they count there.
+-- that one does: both count here as they count there. So does a key at its rate limit, and the
+-- wait counts from when its last admission leaves the window at the earliest.
 -- A replica's override of the cap ends when it is last seen (gates_v1 counts it for 30 s more);
 -- while it lives, only the cap it sets holds anything back.
 -- The claim admits money in claim order and stops at the first task today's room cannot take,
@@ -725,7 +783,13 @@ AS $$
                                            COALESCE(tool.account_group, tool.name))),
                 (SELECT max(r.seen_at) FROM generation.replica_overrides AS r
                  WHERE r.disabled OR (r.daily_cap_nanos IS NOT NULL
-                                      AND r.seen_at <= now() - interval '30 seconds'))
+                                      AND r.seen_at <= now() - interval '30 seconds')),
+                (SELECT max((SELECT max(a.admitted_at) FROM generation.rate_admissions AS a
+                             WHERE a.resource_key = r.resource_key)
+                            + make_interval(secs => r.window_seconds))
+                 FROM generation.rate_limits AS r
+                 WHERE r.resource_key IN (COALESCE(t.resource_key, tool.resource_key, tool.name),
+                                          COALESCE(tool.resource_key, tool.name)))
              ) > now() - make_interval(secs => s.queued_max_age_seconds) THEN NULL
         WHEN NOT g.running OR tool.paused OR g.cap = 0 THEN NULL
         WHEN NOT generation.within_cap_v1(
@@ -744,6 +808,9 @@ AS $$
                                               COALESCE(tool.resource_key, tool.name))
                        AND generation.key_running_v1(l.resource_key, l.max_in_flight)
                            >= l.max_in_flight) THEN NULL
+        WHEN cardinality((SELECT rl.keys FROM generation.rate_limited_v1(ARRAY[
+                 COALESCE(t.resource_key, tool.resource_key, tool.name),
+                 COALESCE(tool.resource_key, tool.name)]) AS rl)) > 0 THEN NULL
         -- The claim must admit its tool's next task first (as step 2 picks it: due, not
         -- cooling or held, not over the cap in force) and stops there when today's room cannot
         -- take it: then that task holds this one too. Last, being the dearest check, and looking
@@ -840,7 +907,10 @@ $$;
 -- tool nor the tasks behind it, and it runs in its place once the cap is raised; a claim that
 -- finds only such tasks answers 'capped'. The concurrency limits (max_in_flight of the tool and
 -- of the tasks' resource keys) are kept the same way: a task whose key is busy stays queued, a
--- busy tool stops the batch. A claim of a task estimated at 0 whose tool has spent today and used
+-- busy tool stops the batch. So are the rate limits of the tasks' keys (rate_limits): a task
+-- whose key has no call, or not its rate_units, left in the window stays queued, and a claim
+-- that claims nothing for that answers 'rate_limited' with when the first slot frees
+-- (idle_until). A claim of a task estimated at 0 whose tool has spent today and used
 -- up its share of the cap takes a new slice, as a paid claim does, so that the costs such runs
 -- report fit in the tool's row instead of growing the grants, and locking settings, at every
 -- close. No retry is charged here: a run is charged when it ends unsuccessfully (and only once
@@ -853,7 +923,10 @@ $$;
 -- nothing and steps 1-8 decide.
 CREATE FUNCTION generation.claim_tasks_v1(
     p_tool uuid, p_limit integer, p_lease_seconds integer, p_disabled boolean, p_cap bigint
-) RETURNS TABLE (task generation.tasks, lease_seconds integer, idle_reason text, event jsonb)
+) RETURNS TABLE (
+    task generation.tasks, lease_seconds integer, idle_reason text, event jsonb,
+    idle_until timestamptz
+)
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan SET enable_seqscan = off SET jit = off
 AS $$
@@ -874,6 +947,7 @@ DECLARE
     estimates bigint[] := '{}';
     keys text[] := '{}';
     groups text[] := '{}';
+    units bigint[] := '{}';
     admitted uuid[] := '{}';
     spend_locked boolean := false;
     used bigint;
@@ -889,6 +963,14 @@ DECLARE
     full_keys text[];
     tool_busy boolean;
     busy boolean := false;
+    rated_keys text[];
+    tool_rated boolean;
+    rate_keys text[] := '{}';
+    calls_left bigint[] := '{}';
+    units_left bigint[] := '{}';
+    rate integer;
+    rate_limited boolean := false;
+    slot_frees timestamptz;
     head record;
     has_head boolean;
     gate record;
@@ -913,6 +995,8 @@ BEGIN
       AND CASE WHEN st.granted_day = local.day THEN st.granted_nanos ELSE 0 END < gt.cap
       AND NOT EXISTS (SELECT 1 FROM generation.resource_limits AS l
                       WHERE l.resource_key = COALESCE(tl.resource_key, tl.name))
+      AND NOT EXISTS (SELECT 1 FROM generation.rate_limits AS r
+                      WHERE r.resource_key = COALESCE(tl.resource_key, tl.name))
       AND NOT EXISTS (SELECT 1 FROM generation.cooldowns AS c
                       WHERE c.resource_key = COALESCE(tl.resource_key, tl.name)
                         AND c.cooling_until > now())
@@ -939,13 +1023,17 @@ BEGIN
             ORDER BY q.reclaimed DESC, q.priority DESC, q.run_at
             LIMIT p_limit
             FOR NO KEY UPDATE OF q SKIP LOCKED),
-        -- C. All of them free (no estimate, no limit on their key), or none started here.
+        -- C. All of them free (no estimate, no limit of any kind on their key), or none started
+        --    here.
         free AS (
             SELECT * FROM chosen
             WHERE NOT EXISTS (
                 SELECT 1 FROM chosen AS o
-                WHERE o.estimate <> 0 OR EXISTS (SELECT 1 FROM generation.resource_limits AS l
-                                                 WHERE l.resource_key = o.resource_key))),
+                WHERE o.estimate <> 0
+                   OR EXISTS (SELECT 1 FROM generation.resource_limits AS l
+                              WHERE l.resource_key = o.resource_key)
+                   OR EXISTS (SELECT 1 FROM generation.rate_limits AS r
+                              WHERE r.resource_key = o.resource_key))),
         -- D. Start the runs as step 8 does (found by `= ANY` of their ids, which bounds the
         --    scan whatever the statistics say).
         started AS (
@@ -970,7 +1058,8 @@ BEGIN
             FROM started JOIN free ON free.id = started.id)
         SELECT started.task, gate.lease, NULL::text,
                generation.started_event_v1(started.id, started.last_event_seq,
-                                           started.attempt_count)
+                                           started.attempt_count),
+               NULL::timestamptz
         FROM started JOIN free ON free.id = started.id
         ORDER BY free.reclaimed DESC, free.priority DESC, free.run_at;
         IF FOUND THEN
@@ -988,7 +1077,8 @@ BEGIN
     -- 1. Read the gates, unlocked: the tool, the switch and the cap in force, its cooldown/hold.
     SELECT * INTO tool FROM generation.tools WHERE id = p_tool;
     IF NOT FOUND THEN
-        RETURN QUERY SELECT NULL::generation.tasks, NULL::integer, 'unknown_tool'::text, NULL::jsonb;
+        RETURN QUERY SELECT NULL::generation.tasks, NULL::integer, 'unknown_tool'::text, NULL::jsonb,
+                            NULL::timestamptz;
         RETURN;
     END IF;
     SELECT * INTO s FROM generation.settings;
@@ -1017,15 +1107,20 @@ BEGIN
                 SELECT 1 FROM generation.tasks AS q
                 WHERE q.tool_id = p_tool AND q.status = 'processing'
                 LIMIT tool.max_in_flight) AS running) END;
+    -- Keys at their rate limit (read unlocked, and again under lock in step 3).
+    SELECT rl.keys, rl.frees_at INTO rated_keys, slot_frees
+    FROM generation.rate_limited_v1(NULL) AS rl;
+    tool_rated := default_key = ANY (rated_keys);
 
-    IF blocked IS NULL AND NOT tool_cooling AND NOT tool_held AND NOT tool_busy THEN
+    IF blocked IS NULL AND NOT tool_cooling AND NOT tool_held AND NOT tool_busy
+       AND NOT tool_rated THEN
         -- 2. Lock up to p_limit claimable tasks in claim order, skipping rows other claimers
         --    hold (tasks_claim_idx serves this as an index-ordered top-N), and tasks no day's
         --    room could take: estimated above the cap in force.
         FOR picked IN
             SELECT q.id, COALESCE(q.cost_estimate_nanos, tool.cost_estimate_nanos) AS estimate,
                    COALESCE(q.resource_key, default_key) AS resource_key,
-                   COALESCE(q.account_group, default_group) AS account_group
+                   COALESCE(q.account_group, default_group) AS account_group, q.rate_units
             FROM generation.tasks AS q
             WHERE q.tool_id = p_tool AND q.status = 'queued' AND q.retry_count < q.max_retries
               AND q.run_at <= now() AND (q.expires_at IS NULL OR q.expires_at > now())
@@ -1036,6 +1131,7 @@ BEGIN
                     SELECT 1 FROM generation.holds AS h
                     WHERE h.account_group = q.account_group AND h.held_until > now()))
               AND (q.resource_key IS NULL OR NOT q.resource_key = ANY (full_keys))
+              AND (q.resource_key IS NULL OR NOT q.resource_key = ANY (rated_keys))
               AND COALESCE(q.cost_estimate_nanos, tool.cost_estimate_nanos)
                   <= LEAST(g.cap, tool.daily_cap_nanos)
             ORDER BY q.reclaimed DESC, q.priority DESC, q.run_at
@@ -1046,6 +1142,7 @@ BEGIN
             estimates := estimates || picked.estimate;
             keys := keys || picked.resource_key;
             groups := groups || picked.account_group;
+            units := units || picked.rate_units;
         END LOOP;
 
         -- 3. The concurrency limits: lock the picked keys' limits (in key order: claims of one
@@ -1064,6 +1161,21 @@ BEGIN
         LOOP
             key_room := key_room || jsonb_build_object(limits.resource_key, limits.room);
         END LOOP;
+        --    The rate limits likewise, after the concurrency limits: lock the picked keys'
+        --    rate_limits rows in key order, then read each window in a statement of its own, so
+        --    that it sees the admissions of the claim that held the lock before (NULL room: no
+        --    limit of that kind).
+        PERFORM 1 FROM generation.rate_limits AS r WHERE r.resource_key = ANY (keys)
+        ORDER BY r.resource_key
+        FOR NO KEY UPDATE;
+        SELECT COALESCE(array_agg(r.resource_key), '{}'),
+               COALESCE(array_agg(r.max_calls - w.calls), '{}'),
+               COALESCE(array_agg(r.max_units - w.units), '{}')
+        INTO rate_keys, calls_left, units_left
+        FROM generation.rate_limits AS r,
+             generation.rate_window_v1(r.resource_key, r.max_calls, r.max_units,
+                                       r.window_seconds) AS w
+        WHERE r.resource_key = ANY (keys);
         IF tool.max_in_flight IS NOT NULL AND array_length(ids, 1) > 0 THEN
             SELECT * INTO tool FROM generation.tools AS t WHERE t.id = p_tool FOR NO KEY UPDATE;
             spend_locked := true;
@@ -1089,6 +1201,13 @@ BEGIN
             END IF;
             IF (key_room ->> keys[i])::integer <= 0 THEN
                 busy := true;
+                CONTINUE;
+            END IF;
+            -- A task whose key has no call or not its units left in the window stays queued
+            -- and the next is tried, as a busy key's.
+            rate := array_position(rate_keys, keys[i]);
+            IF rate IS NOT NULL AND (calls_left[rate] < 1 OR units_left[rate] < units[i]) THEN
+                rate_limited := true;
                 CONTINUE;
             END IF;
             IF estimates[i] > 0 AND NOT spend_locked THEN
@@ -1152,6 +1271,10 @@ BEGIN
                 key_room := jsonb_set(key_room, ARRAY[keys[i]],
                                       to_jsonb((key_room ->> keys[i])::integer - 1));
             END IF;
+            IF rate IS NOT NULL THEN
+                calls_left[rate] := calls_left[rate] - 1;
+                units_left[rate] := units_left[rate] - units[i];
+            END IF;
         END LOOP;
     END IF;
 
@@ -1166,7 +1289,8 @@ BEGIN
     IF array_length(admitted, 1) IS NULL THEN
         -- 6. Nothing claimed: say why, from the first reason that holds.
         IF blocked IS NULL AND array_length(ids, 1) > 0 THEN
-            blocked := CASE WHEN busy THEN 'busy' ELSE 'capped' END;
+            blocked := CASE WHEN busy THEN 'busy' WHEN rate_limited THEN 'rate_limited'
+                            ELSE 'capped' END;
         END IF;
         IF blocked IS NULL THEN
             SELECT COALESCE(q.resource_key, default_key) AS resource_key,
@@ -1183,6 +1307,7 @@ BEGIN
                 WHEN tool_held THEN 'held'
                 WHEN tool_cooling THEN 'cooling'
                 WHEN tool_busy OR head.resource_key = ANY (full_keys) THEN 'busy'
+                WHEN tool_rated OR head.resource_key = ANY (rated_keys) THEN 'rate_limited'
                 WHEN EXISTS (SELECT 1 FROM generation.holds AS h
                              WHERE h.account_group = head.account_group AND h.held_until > now())
                     THEN 'held'
@@ -1192,7 +1317,20 @@ BEGIN
                 WHEN head.estimate > LEAST(g.cap, tool.daily_cap_nanos) THEN 'capped'
                 ELSE 'waiting' END;
         END IF;
-        RETURN QUERY SELECT NULL::generation.tasks, NULL::integer, blocked, NULL::jsonb;
+        -- Rate-limited: when the first of the keys that held tasks back frees a slot (for a
+        -- task short of units, when the oldest admission of its key leaves the window).
+        IF blocked = 'rate_limited' AND rate_limited THEN
+            SELECT min(w.frees_at) INTO slot_frees
+            FROM generation.rate_limits AS r,
+                 generation.rate_window_v1(r.resource_key, r.max_calls, r.max_units,
+                                           r.window_seconds) AS w
+            WHERE r.resource_key = ANY (keys);
+        ELSIF blocked = 'rate_limited' THEN
+            SELECT rl.frees_at INTO slot_frees
+            FROM generation.rate_limited_v1(ARRAY[default_key, head.resource_key]) AS rl;
+        END IF;
+        RETURN QUERY SELECT NULL::generation.tasks, NULL::integer, blocked, NULL::jsonb,
+                            CASE WHEN blocked = 'rate_limited' THEN slot_frees END;
         RETURN;
     END IF;
 
@@ -1207,7 +1345,7 @@ BEGIN
     END IF;
 
     -- 8. Start the runs: the claim's fresh, unconfirmed lease, an attempt each (which carries
-    --    its `started` event).
+    --    its `started` event), and an admission each for a key with a rate limit.
     RETURN QUERY
     WITH started AS (
         UPDATE generation.tasks AS t
@@ -1228,9 +1366,15 @@ BEGIN
         SELECT started.id, started.attempt_count, started.lease_token, started.tool_id,
                keys[array_position(ids, started.id)], groups[array_position(ids, started.id)],
                today, estimates[array_position(ids, started.id)], started.last_event_seq
-        FROM started)
+        FROM started),
+    admission AS (
+        INSERT INTO generation.rate_admissions (resource_key, admitted_at, units)
+        SELECT keys[array_position(ids, started.id)], now(), units[array_position(ids, started.id)]
+        FROM started
+        WHERE keys[array_position(ids, started.id)] = ANY (rate_keys))
     SELECT ROW(started.*)::generation.tasks, lease, NULL::text,
-           generation.started_event_v1(started.id, started.last_event_seq, started.attempt_count)
+           generation.started_event_v1(started.id, started.last_event_seq, started.attempt_count),
+           NULL::timestamptz
     FROM started
     ORDER BY array_position(admitted, started.id);
 END

@@ -153,6 +153,10 @@ class _IdleReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_IdleReason
     """The due tasks' account group is on hold after an account error."""
     IDLE_REASON_BUSY: _IdleReason.ValueType  # 8
     """The tool, or the due tasks' resource key, has max_in_flight tasks running already."""
+    IDLE_REASON_RATE_LIMITED: _IdleReason.ValueType  # 9
+    """The due tasks' resource key started as many runs (or admitted as many units) as its rate
+    limit allows in its window (SetRateLimit); `idle_until` says when the next slot frees.
+    """
 
 class IdleReason(_IdleReason, metaclass=_IdleReasonEnumTypeWrapper):
     """Why a claim returned no task."""
@@ -174,6 +178,10 @@ IDLE_REASON_HELD: IdleReason.ValueType  # 7
 """The due tasks' account group is on hold after an account error."""
 IDLE_REASON_BUSY: IdleReason.ValueType  # 8
 """The tool, or the due tasks' resource key, has max_in_flight tasks running already."""
+IDLE_REASON_RATE_LIMITED: IdleReason.ValueType  # 9
+"""The due tasks' resource key started as many runs (or admitted as many units) as its rate
+limit allows in its window (SetRateLimit); `idle_until` says when the next slot frees.
+"""
 Global___IdleReason: _TypeAlias = IdleReason  # noqa: Y015
 
 class _FailureKind:
@@ -351,6 +359,7 @@ class Task(_message.Message):
     UNCONFIRMED_CLAIMS_FIELD_NUMBER: _builtins.int
     CANCEL_REQUESTED_AT_FIELD_NUMBER: _builtins.int
     SOURCE_FIELD_NUMBER: _builtins.int
+    RATE_UNITS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     tool_id: _builtins.str
     status: Global___TaskStatus.ValueType
@@ -374,6 +383,8 @@ class Task(_message.Message):
     """
     source: _builtins.str
     """Who or what enqueued it (QueueTaskRequest.source)."""
+    rate_units: _builtins.int
+    """QueueTaskRequest.rate_units."""
     @_builtins.property
     def input(self) -> _struct_pb2.Struct: ...
     @_builtins.property
@@ -430,10 +441,11 @@ class Task(_message.Message):
         unconfirmed_claims: _builtins.int = ...,
         cancel_requested_at: _timestamp_pb2.Timestamp | None = ...,
         source: _builtins.str = ...,
+        rate_units: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_cost_estimate_nanos", b"_cost_estimate_nanos", "cancel_requested_at", b"cancel_requested_at", "claim_expires_at", b"claim_expires_at", "completed_at", b"completed_at", "cost_estimate_nanos", b"cost_estimate_nanos", "created_at", b"created_at", "expires_at", b"expires_at", "input", b"input", "output", b"output", "reported_usage", b"reported_usage", "run_at", b"run_at", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cost_estimate_nanos", b"_cost_estimate_nanos", "account_group", b"account_group", "attempt_count", b"attempt_count", "billing_idempotency_key", b"billing_idempotency_key", "cancel_requested_at", b"cancel_requested_at", "claim_expires_at", b"claim_expires_at", "completed_at", b"completed_at", "cost_estimate_nanos", b"cost_estimate_nanos", "created_at", b"created_at", "error", b"error", "expires_at", b"expires_at", "id", b"id", "idempotency_key", b"idempotency_key", "input", b"input", "max_retries", b"max_retries", "output", b"output", "priority", b"priority", "reported_usage", b"reported_usage", "reserved_token_amount", b"reserved_token_amount", "resource_key", b"resource_key", "retry_count", b"retry_count", "run_at", b"run_at", "source", b"source", "started_at", b"started_at", "status", b"status", "tool_id", b"tool_id", "unconfirmed_claims", b"unconfirmed_claims", "w3c_traceparent", b"w3c_traceparent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cost_estimate_nanos", b"_cost_estimate_nanos", "account_group", b"account_group", "attempt_count", b"attempt_count", "billing_idempotency_key", b"billing_idempotency_key", "cancel_requested_at", b"cancel_requested_at", "claim_expires_at", b"claim_expires_at", "completed_at", b"completed_at", "cost_estimate_nanos", b"cost_estimate_nanos", "created_at", b"created_at", "error", b"error", "expires_at", b"expires_at", "id", b"id", "idempotency_key", b"idempotency_key", "input", b"input", "max_retries", b"max_retries", "output", b"output", "priority", b"priority", "rate_units", b"rate_units", "reported_usage", b"reported_usage", "reserved_token_amount", b"reserved_token_amount", "resource_key", b"resource_key", "retry_count", b"retry_count", "run_at", b"run_at", "source", b"source", "started_at", b"started_at", "status", b"status", "tool_id", b"tool_id", "unconfirmed_claims", b"unconfirmed_claims", "w3c_traceparent", b"w3c_traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__cost_estimate_nanos: _TypeAlias = _typing.Literal["cost_estimate_nanos"]  # noqa: Y015
     _WhichOneofArgType__cost_estimate_nanos: _TypeAlias = _typing.Literal["_cost_estimate_nanos", b"_cost_estimate_nanos"]  # noqa: Y015
@@ -624,6 +636,7 @@ class QueueTaskRequest(_message.Message):
     EXPIRES_AT_FIELD_NUMBER: _builtins.int
     SOURCE_FIELD_NUMBER: _builtins.int
     REQUEUE_KEY_FIELD_NUMBER: _builtins.int
+    RATE_UNITS_FIELD_NUMBER: _builtins.int
     tool_id: _builtins.str
     priority: _builtins.int
     """-100 to 100; higher is claimed sooner. Default 0."""
@@ -651,6 +664,10 @@ class QueueTaskRequest(_message.Message):
     already, from the call that created it or one of the last 15 that queued it again, changes
     nothing and answers the task as it is now. Send the same key again when an answer was lost;
     a new one to run the task once more.
+    """
+    rate_units: _builtins.int
+    """The units its run is expected to use (tokens, say), counted against the max_units of its
+    resource key's rate limit when its run starts; 0 to 10^12, default 0.
     """
     @_builtins.property
     def input(self) -> _struct_pb2.Struct: ...
@@ -688,10 +705,11 @@ class QueueTaskRequest(_message.Message):
         expires_at: _timestamp_pb2.Timestamp | None = ...,
         source: _builtins.str = ...,
         requeue_key: _builtins.str = ...,
+        rate_units: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_cost_estimate_nanos", b"_cost_estimate_nanos", "_max_retries", b"_max_retries", "_priority", b"_priority", "cost_estimate_nanos", b"cost_estimate_nanos", "expires_at", b"expires_at", "input", b"input", "max_retries", b"max_retries", "priority", b"priority", "run_after", b"run_after", "ttl", b"ttl"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cost_estimate_nanos", b"_cost_estimate_nanos", "_max_retries", b"_max_retries", "_priority", b"_priority", "account_group", b"account_group", "billing_idempotency_key", b"billing_idempotency_key", "cost_estimate_nanos", b"cost_estimate_nanos", "expires_at", b"expires_at", "idempotency_key", b"idempotency_key", "input", b"input", "max_retries", b"max_retries", "on_conflict", b"on_conflict", "priority", b"priority", "requeue_key", b"requeue_key", "reserved_token_amount", b"reserved_token_amount", "resource_key", b"resource_key", "run_after", b"run_after", "source", b"source", "tool_id", b"tool_id", "ttl", b"ttl", "w3c_traceparent", b"w3c_traceparent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cost_estimate_nanos", b"_cost_estimate_nanos", "_max_retries", b"_max_retries", "_priority", b"_priority", "account_group", b"account_group", "billing_idempotency_key", b"billing_idempotency_key", "cost_estimate_nanos", b"cost_estimate_nanos", "expires_at", b"expires_at", "idempotency_key", b"idempotency_key", "input", b"input", "max_retries", b"max_retries", "on_conflict", b"on_conflict", "priority", b"priority", "rate_units", b"rate_units", "requeue_key", b"requeue_key", "reserved_token_amount", b"reserved_token_amount", "resource_key", b"resource_key", "run_after", b"run_after", "source", b"source", "tool_id", b"tool_id", "ttl", b"ttl", "w3c_traceparent", b"w3c_traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__cost_estimate_nanos: _TypeAlias = _typing.Literal["cost_estimate_nanos"]  # noqa: Y015
     _WhichOneofArgType__cost_estimate_nanos: _TypeAlias = _typing.Literal["_cost_estimate_nanos", b"_cost_estimate_nanos"]  # noqa: Y015
@@ -839,6 +857,7 @@ class ClaimNextTaskResponse(_message.Message):
     LEASE_TOKEN_FIELD_NUMBER: _builtins.int
     IDLE_REASON_FIELD_NUMBER: _builtins.int
     LEASE_FIELD_NUMBER: _builtins.int
+    IDLE_UNTIL_FIELD_NUMBER: _builtins.int
     lease_token: _builtins.str
     """Fences every later write of this claimer: heartbeat, complete and fail must present it."""
     idle_reason: Global___IdleReason.ValueType
@@ -851,6 +870,10 @@ class ClaimNextTaskResponse(_message.Message):
     def lease(self) -> _duration_pb2.Duration:
         """The lease's length: heartbeat well within it (the SDK beats every third of it)."""
 
+    @_builtins.property
+    def idle_until(self) -> _timestamp_pb2.Timestamp:
+        """With IDLE_REASON_RATE_LIMITED: when the key's next slot frees (the database's clock)."""
+
     def __init__(
         self,
         *,
@@ -858,10 +881,11 @@ class ClaimNextTaskResponse(_message.Message):
         lease_token: _builtins.str = ...,
         idle_reason: Global___IdleReason.ValueType = ...,
         lease: _duration_pb2.Duration | None = ...,
+        idle_until: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "task", b"task"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["idle_until", b"idle_until", "lease", b"lease", "task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["idle_reason", b"idle_reason", "lease", b"lease", "lease_token", b"lease_token", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["idle_reason", b"idle_reason", "idle_until", b"idle_until", "lease", b"lease", "lease_token", b"lease_token", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -926,6 +950,7 @@ class ClaimTasksResponse(_message.Message):
     TASKS_FIELD_NUMBER: _builtins.int
     LEASE_FIELD_NUMBER: _builtins.int
     IDLE_REASON_FIELD_NUMBER: _builtins.int
+    IDLE_UNTIL_FIELD_NUMBER: _builtins.int
     idle_reason: Global___IdleReason.ValueType
     """Set when no task was claimed: why."""
     @_builtins.property
@@ -936,16 +961,21 @@ class ClaimTasksResponse(_message.Message):
     def lease(self) -> _duration_pb2.Duration:
         """The lease's length (every task of the batch has the same)."""
 
+    @_builtins.property
+    def idle_until(self) -> _timestamp_pb2.Timestamp:
+        """As in ClaimNextTaskResponse."""
+
     def __init__(
         self,
         *,
         tasks: _abc.Iterable[Global___ClaimedTask] | None = ...,
         lease: _duration_pb2.Duration | None = ...,
         idle_reason: Global___IdleReason.ValueType = ...,
+        idle_until: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["idle_until", b"idle_until", "lease", b"lease"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["idle_reason", b"idle_reason", "lease", b"lease", "tasks", b"tasks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["idle_reason", b"idle_reason", "idle_until", b"idle_until", "lease", b"lease", "tasks", b"tasks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2428,6 +2458,7 @@ class ToolStatus(_message.Message):
     RESOURCE_KEY_FIELD_NUMBER: _builtins.int
     ACCOUNT_GROUP_FIELD_NUMBER: _builtins.int
     LARGEST_QUEUED_ESTIMATE_NANOS_FIELD_NUMBER: _builtins.int
+    RATE_LIMITED_UNTIL_FIELD_NUMBER: _builtins.int
     tool_id: _builtins.str
     name: _builtins.str
     paused: _builtins.bool
@@ -2466,6 +2497,10 @@ class ToolStatus(_message.Message):
     def held_until(self) -> _timestamp_pb2.Timestamp:
         """Set while its account group (its own, else its name) is held."""
 
+    @_builtins.property
+    def rate_limited_until(self) -> _timestamp_pb2.Timestamp:
+        """Set while its key is at its rate limit: a claim answers rate_limited until then."""
+
     def __init__(
         self,
         *,
@@ -2486,10 +2521,11 @@ class ToolStatus(_message.Message):
         resource_key: _builtins.str = ...,
         account_group: _builtins.str = ...,
         largest_queued_estimate_nanos: _builtins.int = ...,
+        rate_limited_until: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_daily_cap_nanos", b"_daily_cap_nanos", "_max_in_flight", b"_max_in_flight", "cooling_until", b"cooling_until", "daily_cap_nanos", b"daily_cap_nanos", "held_until", b"held_until", "last_claim_at", b"last_claim_at", "max_in_flight", b"max_in_flight"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_daily_cap_nanos", b"_daily_cap_nanos", "_max_in_flight", b"_max_in_flight", "cooling_until", b"cooling_until", "daily_cap_nanos", b"daily_cap_nanos", "held_until", b"held_until", "last_claim_at", b"last_claim_at", "max_in_flight", b"max_in_flight", "rate_limited_until", b"rate_limited_until"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_daily_cap_nanos", b"_daily_cap_nanos", "_max_in_flight", b"_max_in_flight", "account_group", b"account_group", "busy", b"busy", "cooling_until", b"cooling_until", "daily_cap_nanos", b"daily_cap_nanos", "held_until", b"held_until", "in_flight", b"in_flight", "largest_queued_estimate_nanos", b"largest_queued_estimate_nanos", "last_claim_at", b"last_claim_at", "max_in_flight", b"max_in_flight", "name", b"name", "no_worker_seen", b"no_worker_seen", "paused", b"paused", "queued", b"queued", "reserved_nanos", b"reserved_nanos", "resource_key", b"resource_key", "spent_today_nanos", b"spent_today_nanos", "tool_id", b"tool_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_daily_cap_nanos", b"_daily_cap_nanos", "_max_in_flight", b"_max_in_flight", "account_group", b"account_group", "busy", b"busy", "cooling_until", b"cooling_until", "daily_cap_nanos", b"daily_cap_nanos", "held_until", b"held_until", "in_flight", b"in_flight", "largest_queued_estimate_nanos", b"largest_queued_estimate_nanos", "last_claim_at", b"last_claim_at", "max_in_flight", b"max_in_flight", "name", b"name", "no_worker_seen", b"no_worker_seen", "paused", b"paused", "queued", b"queued", "rate_limited_until", b"rate_limited_until", "reserved_nanos", b"reserved_nanos", "resource_key", b"resource_key", "spent_today_nanos", b"spent_today_nanos", "tool_id", b"tool_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__daily_cap_nanos: _TypeAlias = _typing.Literal["daily_cap_nanos"]  # noqa: Y015
     _WhichOneofArgType__daily_cap_nanos: _TypeAlias = _typing.Literal["_daily_cap_nanos", b"_daily_cap_nanos"]  # noqa: Y015
@@ -2625,6 +2661,7 @@ class Status(_message.Message):
     STALE_TASKS_FIELD_NUMBER: _builtins.int
     LAST_HOUR_FIELD_NUMBER: _builtins.int
     AS_OF_FIELD_NUMBER: _builtins.int
+    RATE_LIMITS_FIELD_NUMBER: _builtins.int
     stale_tasks: _builtins.int
     @_builtins.property
     def settings(self) -> Global___Settings: ...
@@ -2642,6 +2679,10 @@ class Status(_message.Message):
     def as_of(self) -> _timestamp_pb2.Timestamp:
         """The database's now() for this answer: the clock the page's ages and chart use."""
 
+    @_builtins.property
+    def rate_limits(self) -> _containers.RepeatedCompositeFieldContainer[Global___RateLimit]:
+        """Every rate limit, with what its window holds now."""
+
     def __init__(
         self,
         *,
@@ -2653,14 +2694,70 @@ class Status(_message.Message):
         stale_tasks: _builtins.int = ...,
         last_hour: _abc.Iterable[Global___ThroughputMinute] | None = ...,
         as_of: _timestamp_pb2.Timestamp | None = ...,
+        rate_limits: _abc.Iterable[Global___RateLimit] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["as_of", b"as_of", "settings", b"settings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["as_of", b"as_of", "cooling", b"cooling", "depths", b"depths", "holds", b"holds", "last_hour", b"last_hour", "settings", b"settings", "stale_tasks", b"stale_tasks", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["as_of", b"as_of", "cooling", b"cooling", "depths", b"depths", "holds", b"holds", "last_hour", b"last_hour", "rate_limits", b"rate_limits", "settings", b"settings", "stale_tasks", b"stale_tasks", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Status: _TypeAlias = Status  # noqa: Y015
+
+@_typing.final
+class RateLimit(_message.Message):
+    """A resource key's rate limit (SetRateLimit) and what its window holds now."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESOURCE_KEY_FIELD_NUMBER: _builtins.int
+    MAX_CALLS_FIELD_NUMBER: _builtins.int
+    MAX_UNITS_FIELD_NUMBER: _builtins.int
+    WINDOW_FIELD_NUMBER: _builtins.int
+    CALLS_FIELD_NUMBER: _builtins.int
+    UNITS_FIELD_NUMBER: _builtins.int
+    LIMITED_UNTIL_FIELD_NUMBER: _builtins.int
+    resource_key: _builtins.str
+    max_calls: _builtins.int
+    """At most this many runs start in any window; unset: no limit on calls."""
+    max_units: _builtins.int
+    """At most this many units (QueueTaskRequest.rate_units) are admitted in any window; unset: no
+    limit on units.
+    """
+    calls: _builtins.int
+    """Runs started and units admitted in the window that ends now."""
+    units: _builtins.int
+    @_builtins.property
+    def window(self) -> _duration_pb2.Duration: ...
+    @_builtins.property
+    def limited_until(self) -> _timestamp_pb2.Timestamp:
+        """Set while the key is at its limit: when the next slot frees."""
+
+    def __init__(
+        self,
+        *,
+        resource_key: _builtins.str = ...,
+        max_calls: _builtins.int | None = ...,
+        max_units: _builtins.int | None = ...,
+        window: _duration_pb2.Duration | None = ...,
+        calls: _builtins.int = ...,
+        units: _builtins.int = ...,
+        limited_until: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_calls", b"_max_calls", "_max_units", b"_max_units", "limited_until", b"limited_until", "max_calls", b"max_calls", "max_units", b"max_units", "window", b"window"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_calls", b"_max_calls", "_max_units", b"_max_units", "calls", b"calls", "limited_until", b"limited_until", "max_calls", b"max_calls", "max_units", b"max_units", "resource_key", b"resource_key", "units", b"units", "window", b"window"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__max_calls: _TypeAlias = _typing.Literal["max_calls"]  # noqa: Y015
+    _WhichOneofArgType__max_calls: _TypeAlias = _typing.Literal["_max_calls", b"_max_calls"]  # noqa: Y015
+    _WhichOneofReturnType__max_units: _TypeAlias = _typing.Literal["max_units"]  # noqa: Y015
+    _WhichOneofArgType__max_units: _TypeAlias = _typing.Literal["_max_units", b"_max_units"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_calls) -> _WhichOneofReturnType__max_calls | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_units) -> _WhichOneofReturnType__max_units | None: ...
+
+Global___RateLimit: _TypeAlias = RateLimit  # noqa: Y015
 
 @_typing.final
 class GetStatusResponse(_message.Message):
@@ -3008,6 +3105,68 @@ class SetResourceLimitResponse(_message.Message):
 Global___SetResourceLimitResponse: _TypeAlias = SetResourceLimitResponse  # noqa: Y015
 
 @_typing.final
+class SetRateLimitRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESOURCE_KEY_FIELD_NUMBER: _builtins.int
+    MAX_CALLS_FIELD_NUMBER: _builtins.int
+    MAX_UNITS_FIELD_NUMBER: _builtins.int
+    WINDOW_FIELD_NUMBER: _builtins.int
+    resource_key: _builtins.str
+    max_calls: _builtins.int
+    """1 to 1,000,000 runs per window. Neither this nor max_units set: the limit is removed."""
+    max_units: _builtins.int
+    """1 to 10^15 units per window."""
+    @_builtins.property
+    def window(self) -> _duration_pb2.Duration:
+        """1 s to 1 day; unset: 60 s."""
+
+    def __init__(
+        self,
+        *,
+        resource_key: _builtins.str = ...,
+        max_calls: _builtins.int | None = ...,
+        max_units: _builtins.int | None = ...,
+        window: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_calls", b"_max_calls", "_max_units", b"_max_units", "max_calls", b"max_calls", "max_units", b"max_units", "window", b"window"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_calls", b"_max_calls", "_max_units", b"_max_units", "max_calls", b"max_calls", "max_units", b"max_units", "resource_key", b"resource_key", "window", b"window"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__max_calls: _TypeAlias = _typing.Literal["max_calls"]  # noqa: Y015
+    _WhichOneofArgType__max_calls: _TypeAlias = _typing.Literal["_max_calls", b"_max_calls"]  # noqa: Y015
+    _WhichOneofReturnType__max_units: _TypeAlias = _typing.Literal["max_units"]  # noqa: Y015
+    _WhichOneofArgType__max_units: _TypeAlias = _typing.Literal["_max_units", b"_max_units"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_calls) -> _WhichOneofReturnType__max_calls | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_units) -> _WhichOneofReturnType__max_units | None: ...
+
+Global___SetRateLimitRequest: _TypeAlias = SetRateLimitRequest  # noqa: Y015
+
+@_typing.final
+class SetRateLimitResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RATE_LIMIT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def rate_limit(self) -> Global___RateLimit:
+        """The limit now; unset when it was removed."""
+
+    def __init__(
+        self,
+        *,
+        rate_limit: Global___RateLimit | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["rate_limit", b"rate_limit"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["rate_limit", b"rate_limit"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetRateLimitResponse: _TypeAlias = SetRateLimitResponse  # noqa: Y015
+
+@_typing.final
 class GetResourceKeyRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -3035,6 +3194,7 @@ class GetResourceKeyResponse(_message.Message):
     COOLING_UNTIL_FIELD_NUMBER: _builtins.int
     CONSECUTIVE_FAILURES_FIELD_NUMBER: _builtins.int
     MAX_IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    RATE_LIMIT_FIELD_NUMBER: _builtins.int
     resource_key: _builtins.str
     cooling: _builtins.bool
     """Cooling now (the database's clock), until cooling_until."""
@@ -3043,6 +3203,10 @@ class GetResourceKeyResponse(_message.Message):
     max_in_flight: _builtins.int
     @_builtins.property
     def cooling_until(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def rate_limit(self) -> Global___RateLimit:
+        """Its rate limit, when it has one."""
+
     def __init__(
         self,
         *,
@@ -3051,10 +3215,11 @@ class GetResourceKeyResponse(_message.Message):
         cooling_until: _timestamp_pb2.Timestamp | None = ...,
         consecutive_failures: _builtins.int = ...,
         max_in_flight: _builtins.int | None = ...,
+        rate_limit: Global___RateLimit | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_in_flight", b"_max_in_flight", "cooling_until", b"cooling_until", "max_in_flight", b"max_in_flight"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_in_flight", b"_max_in_flight", "cooling_until", b"cooling_until", "max_in_flight", b"max_in_flight", "rate_limit", b"rate_limit"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_in_flight", b"_max_in_flight", "consecutive_failures", b"consecutive_failures", "cooling", b"cooling", "cooling_until", b"cooling_until", "max_in_flight", b"max_in_flight", "resource_key", b"resource_key"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_in_flight", b"_max_in_flight", "consecutive_failures", b"consecutive_failures", "cooling", b"cooling", "cooling_until", b"cooling_until", "max_in_flight", b"max_in_flight", "rate_limit", b"rate_limit", "resource_key", b"resource_key"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_in_flight: _TypeAlias = _typing.Literal["max_in_flight"]  # noqa: Y015
     _WhichOneofArgType__max_in_flight: _TypeAlias = _typing.Literal["_max_in_flight", b"_max_in_flight"]  # noqa: Y015

@@ -144,6 +144,11 @@ class GenerationDataServiceStub:
                 request_serializer=generation_dot_task_dot_v1_dot_task__pb2.SetResourceLimitRequest.SerializeToString,
                 response_deserializer=generation_dot_task_dot_v1_dot_task__pb2.SetResourceLimitResponse.FromString,
                 _registered_method=True)
+        self.SetRateLimit = channel.unary_unary(
+                '/generation.task.v1.GenerationDataService/SetRateLimit',
+                request_serializer=generation_dot_task_dot_v1_dot_task__pb2.SetRateLimitRequest.SerializeToString,
+                response_deserializer=generation_dot_task_dot_v1_dot_task__pb2.SetRateLimitResponse.FromString,
+                _registered_method=True)
         self.GetResourceKey = channel.unary_unary(
                 '/generation.task.v1.GenerationDataService/GetResourceKey',
                 request_serializer=generation_dot_task_dot_v1_dot_task__pb2.GetResourceKeyRequest.SerializeToString,
@@ -456,9 +461,22 @@ class GenerationDataServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetRateLimit(self, request, context):
+        """Sets a resource key's rate limit (or, with neither max_calls nor max_units, removes it): in
+        any `window`, at most max_calls runs of the key start, and at most max_units of their
+        rate_units are admitted, across tools and replicas. A claim beyond it leaves the key's tasks
+        queued and answers IDLE_REASON_RATE_LIMITED with the time the next slot frees when nothing
+        else was claimable. The claim counts the key's admissions in generation.rate_admissions
+        under the lock of its rate_limits row (generation.claim_tasks_v1, steps 3 and 4).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetResourceKey(self, request, context):
-        """A resource key's state: cooling (until when, after how many failures) and its concurrency
-        limit. A handler asks it before it picks a model (`ctx.resource_cooling`).
+        """A resource key's state: cooling (until when, after how many failures), its concurrency
+        limit and its rate limit. A handler asks it before it picks a model
+        (`ctx.resource_cooling`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -484,8 +502,9 @@ class GenerationDataServiceServicer:
     def GetStatus(self, request, context):
         """What an operator needs at a glance, in one call: the switch, the cap and today's spend and
         reservations, each tool (paused, spend, last claim, queued work with no worker seen), depth and
-        oldest age per tool and status, cooling keys, held groups, stale tasks, and the last hour's
-        completed and failed attempts per minute. The SQL builds the answer as one JSON document.
+        oldest age per tool and status, cooling keys, held groups, rate limits and their windows,
+        stale tasks, and the last hour's completed and failed attempts per minute. The SQL builds the
+        answer as one JSON document.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -686,6 +705,11 @@ def add_GenerationDataServiceServicer_to_server(servicer, server):
                     servicer.SetResourceLimit,
                     request_deserializer=generation_dot_task_dot_v1_dot_task__pb2.SetResourceLimitRequest.FromString,
                     response_serializer=generation_dot_task_dot_v1_dot_task__pb2.SetResourceLimitResponse.SerializeToString,
+            ),
+            'SetRateLimit': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRateLimit,
+                    request_deserializer=generation_dot_task_dot_v1_dot_task__pb2.SetRateLimitRequest.FromString,
+                    response_serializer=generation_dot_task_dot_v1_dot_task__pb2.SetRateLimitResponse.SerializeToString,
             ),
             'GetResourceKey': grpc.unary_unary_rpc_method_handler(
                     servicer.GetResourceKey,
@@ -1330,6 +1354,33 @@ class GenerationDataService:
             '/generation.task.v1.GenerationDataService/SetResourceLimit',
             generation_dot_task_dot_v1_dot_task__pb2.SetResourceLimitRequest.SerializeToString,
             generation_dot_task_dot_v1_dot_task__pb2.SetResourceLimitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetRateLimit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/generation.task.v1.GenerationDataService/SetRateLimit',
+            generation_dot_task_dot_v1_dot_task__pb2.SetRateLimitRequest.SerializeToString,
+            generation_dot_task_dot_v1_dot_task__pb2.SetRateLimitResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -184,9 +184,18 @@ class GenerationDataServiceStub:
     run at once, across tools; a claim beyond it leaves the key's tasks queued and answers
     IDLE_REASON_BUSY when nothing else was claimable.
     """
+    SetRateLimit: _grpc.UnaryUnaryMultiCallable[_task_pb2.SetRateLimitRequest, _task_pb2.SetRateLimitResponse]
+    """Sets a resource key's rate limit (or, with neither max_calls nor max_units, removes it): in
+    any `window`, at most max_calls runs of the key start, and at most max_units of their
+    rate_units are admitted, across tools and replicas. A claim beyond it leaves the key's tasks
+    queued and answers IDLE_REASON_RATE_LIMITED with the time the next slot frees when nothing
+    else was claimable. The claim counts the key's admissions in generation.rate_admissions
+    under the lock of its rate_limits row (generation.claim_tasks_v1, steps 3 and 4).
+    """
     GetResourceKey: _grpc.UnaryUnaryMultiCallable[_task_pb2.GetResourceKeyRequest, _task_pb2.GetResourceKeyResponse]
-    """A resource key's state: cooling (until when, after how many failures) and its concurrency
-    limit. A handler asks it before it picks a model (`ctx.resource_cooling`).
+    """A resource key's state: cooling (until when, after how many failures), its concurrency
+    limit and its rate limit. A handler asks it before it picks a model
+    (`ctx.resource_cooling`).
     """
     ReleaseCooldown: _grpc.UnaryUnaryMultiCallable[_task_pb2.ReleaseCooldownRequest, _task_pb2.ReleaseCooldownResponse]
     """Ends a resource key's cooldown now, and its run of failures. The row stays with the cooldown
@@ -200,8 +209,9 @@ class GenerationDataServiceStub:
     GetStatus: _grpc.UnaryUnaryMultiCallable[_task_pb2.GetStatusRequest, _task_pb2.GetStatusResponse]
     """What an operator needs at a glance, in one call: the switch, the cap and today's spend and
     reservations, each tool (paused, spend, last claim, queued work with no worker seen), depth and
-    oldest age per tool and status, cooling keys, held groups, stale tasks, and the last hour's
-    completed and failed attempts per minute. The SQL builds the answer as one JSON document.
+    oldest age per tool and status, cooling keys, held groups, rate limits and their windows,
+    stale tasks, and the last hour's completed and failed attempts per minute. The SQL builds the
+    answer as one JSON document.
     """
     ListTasks: _grpc.UnaryUnaryMultiCallable[_task_pb2.ListTasksRequest, _task_pb2.ListTasksResponse]
     """Lists tasks, newest first, optionally of one tool and one status; page with `before` and
@@ -404,9 +414,18 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     run at once, across tools; a claim beyond it leaves the key's tasks queued and answers
     IDLE_REASON_BUSY when nothing else was claimable.
     """
+    SetRateLimit: _aio.UnaryUnaryMultiCallable[_task_pb2.SetRateLimitRequest, _task_pb2.SetRateLimitResponse]  # type: ignore[assignment]
+    """Sets a resource key's rate limit (or, with neither max_calls nor max_units, removes it): in
+    any `window`, at most max_calls runs of the key start, and at most max_units of their
+    rate_units are admitted, across tools and replicas. A claim beyond it leaves the key's tasks
+    queued and answers IDLE_REASON_RATE_LIMITED with the time the next slot frees when nothing
+    else was claimable. The claim counts the key's admissions in generation.rate_admissions
+    under the lock of its rate_limits row (generation.claim_tasks_v1, steps 3 and 4).
+    """
     GetResourceKey: _aio.UnaryUnaryMultiCallable[_task_pb2.GetResourceKeyRequest, _task_pb2.GetResourceKeyResponse]  # type: ignore[assignment]
-    """A resource key's state: cooling (until when, after how many failures) and its concurrency
-    limit. A handler asks it before it picks a model (`ctx.resource_cooling`).
+    """A resource key's state: cooling (until when, after how many failures), its concurrency
+    limit and its rate limit. A handler asks it before it picks a model
+    (`ctx.resource_cooling`).
     """
     ReleaseCooldown: _aio.UnaryUnaryMultiCallable[_task_pb2.ReleaseCooldownRequest, _task_pb2.ReleaseCooldownResponse]  # type: ignore[assignment]
     """Ends a resource key's cooldown now, and its run of failures. The row stays with the cooldown
@@ -420,8 +439,9 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     GetStatus: _aio.UnaryUnaryMultiCallable[_task_pb2.GetStatusRequest, _task_pb2.GetStatusResponse]  # type: ignore[assignment]
     """What an operator needs at a glance, in one call: the switch, the cap and today's spend and
     reservations, each tool (paused, spend, last claim, queued work with no worker seen), depth and
-    oldest age per tool and status, cooling keys, held groups, stale tasks, and the last hour's
-    completed and failed attempts per minute. The SQL builds the answer as one JSON document.
+    oldest age per tool and status, cooling keys, held groups, rate limits and their windows,
+    stale tasks, and the last hour's completed and failed attempts per minute. The SQL builds the
+    answer as one JSON document.
     """
     ListTasks: _aio.UnaryUnaryMultiCallable[_task_pb2.ListTasksRequest, _task_pb2.ListTasksResponse]  # type: ignore[assignment]
     """Lists tasks, newest first, optionally of one tool and one status; page with `before` and
@@ -749,13 +769,28 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         """
 
     @_abc_1.abstractmethod
+    def SetRateLimit(
+        self,
+        request: _task_pb2.SetRateLimitRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_task_pb2.SetRateLimitResponse, _abc.Awaitable[_task_pb2.SetRateLimitResponse]]:
+        """Sets a resource key's rate limit (or, with neither max_calls nor max_units, removes it): in
+        any `window`, at most max_calls runs of the key start, and at most max_units of their
+        rate_units are admitted, across tools and replicas. A claim beyond it leaves the key's tasks
+        queued and answers IDLE_REASON_RATE_LIMITED with the time the next slot frees when nothing
+        else was claimable. The claim counts the key's admissions in generation.rate_admissions
+        under the lock of its rate_limits row (generation.claim_tasks_v1, steps 3 and 4).
+        """
+
+    @_abc_1.abstractmethod
     def GetResourceKey(
         self,
         request: _task_pb2.GetResourceKeyRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_task_pb2.GetResourceKeyResponse, _abc.Awaitable[_task_pb2.GetResourceKeyResponse]]:
-        """A resource key's state: cooling (until when, after how many failures) and its concurrency
-        limit. A handler asks it before it picks a model (`ctx.resource_cooling`).
+        """A resource key's state: cooling (until when, after how many failures), its concurrency
+        limit and its rate limit. A handler asks it before it picks a model
+        (`ctx.resource_cooling`).
         """
 
     @_abc_1.abstractmethod
@@ -787,8 +822,9 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_task_pb2.GetStatusResponse, _abc.Awaitable[_task_pb2.GetStatusResponse]]:
         """What an operator needs at a glance, in one call: the switch, the cap and today's spend and
         reservations, each tool (paused, spend, last claim, queued work with no worker seen), depth and
-        oldest age per tool and status, cooling keys, held groups, stale tasks, and the last hour's
-        completed and failed attempts per minute. The SQL builds the answer as one JSON document.
+        oldest age per tool and status, cooling keys, held groups, rate limits and their windows,
+        stale tasks, and the last hour's completed and failed attempts per minute. The SQL builds the
+        answer as one JSON document.
         """
 
     @_abc_1.abstractmethod
