@@ -131,6 +131,10 @@ RULES = {
         "processing_grace_seconds and queued_max_age_seconds must be at least 1"
     ),
     "resource_limits_max_in_flight_positive": "max_in_flight must be at least 1",
+    "tasks_rate_units_nonnegative": "rate_units cannot be negative",
+    "rate_limits_positive": "max_calls and max_units must be at least 1",
+    "rate_limits_some": "a rate limit needs max_calls or max_units",
+    "rate_limits_window_range": "window must be 1 s to 1 day",
 }
 
 

@@ -971,3 +971,29 @@ def test_every_command_has_help() -> None:
         assert command.name in top.stdout
         if command.client:
             assert "--format" in result.stdout and "--target" in result.stdout
+
+
+def test_rate_limit_sets_shows_and_clears_a_keys_rate_limit(
+    service: ServiceProcess, stub: Stub, cdb: Db, tool: Any
+) -> None:
+    key = f"provider/{uuid.uuid4().hex[:8]}"
+    done = genq(service, "rate-limit", key, "--calls", "1", "--units", "500", "--window", "120")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"resource key {key}: 0/1 calls, 0/500 units per 2m00s"
+    queue(stub, tool.id, resource_key=key, rate_units=20)
+    queue(stub, tool.id, resource_key=key)
+    assert claim(stub, tool.id).task.resource_key == key
+    assert claim(stub, tool.id).idle_reason == task_pb2.IDLE_REASON_RATE_LIMITED
+    text = genq(service, "key", key).stdout
+    assert "rate limit: 1/1 calls, 20/500 units per 2m00s; at its limit until " in text
+    shown = genq_json(service, "key", key)["rate_limit"]
+    assert (shown["max_calls"], shown["calls"], shown["units"]) == (1, "1", "20")
+    assert f"rate limit: {key}: 1/1 calls" in genq(service, "status").stdout
+    refused = genq(service, "rate-limit", key)
+    assert refused.returncode == USAGE, refused.stdout
+    cleared = genq(service, "rate-limit", key, "--clear")
+    assert cleared.stdout.strip() == f"resource key {key}: no rate limit"
+    left = cdb.execute(
+        "SELECT count(*) AS n FROM generation.rate_limits WHERE resource_key = %s", [key]
+    ).fetchone()
+    assert left == {"n": 0}

@@ -26,7 +26,7 @@ from zoneinfo import ZoneInfo
 
 import psycopg
 import pytest
-from google.protobuf import json_format
+from google.protobuf import duration_pb2, json_format
 
 from generation.task.v1 import task_pb2
 from tests.conftest import ROOT, Databases, ServiceProcess, free_port, url_for, wait_for
@@ -418,7 +418,7 @@ def test_a_busy_http_port_stops_the_start(page: Page, tmp_path: Path) -> None:
 # -- waits on purpose, and tools held up --------------------------------------------------------
 
 FRESH_PAUSED, FRESH, SILENT = "fresh-paused", "fresh", "long-silent"
-BUSY, COOLING, HELD = "at-its-limit", "cooling-tool", "held-tool"
+BUSY, COOLING, HELD, RATED = "at-its-limit", "cooling-tool", "held-tool", "rate-limited"
 OVER_CAP = "over-its-cap"
 
 
@@ -436,7 +436,7 @@ def waits(databases: Databases, tmp_path_factory: pytest.TempPathFactory) -> Ite
         stub = service.stub
         ids = {
             name: stub.UpsertTool(task_pb2.UpsertToolRequest(name=name)).tool.id
-            for name in (FRESH_PAUSED, FRESH, SILENT, BUSY, COOLING, HELD, OVER_CAP)
+            for name in (FRESH_PAUSED, FRESH, SILENT, BUSY, COOLING, HELD, OVER_CAP, RATED)
         }
         for tool_id in ids.values():
             for _ in range(2):
@@ -448,6 +448,13 @@ def waits(databases: Databases, tmp_path_factory: pytest.TempPathFactory) -> Ite
         )
         stub.QueueTask(task_pb2.QueueTaskRequest(tool_id=ids[OVER_CAP], cost_estimate_nanos=150))
         claimed = stub.ClaimNextTask(task_pb2.ClaimNextTaskRequest(tool_id=ids[BUSY]))
+        assert claimed.task.id, claimed
+        stub.SetRateLimit(
+            task_pb2.SetRateLimitRequest(
+                resource_key=RATED, max_calls=1, window=duration_pb2.Duration(seconds=3600)
+            )
+        )
+        claimed = stub.ClaimNextTask(task_pb2.ClaimNextTaskRequest(tool_id=ids[RATED]))
         assert claimed.task.id, claimed
         with psycopg.connect(database_url, autocommit=True) as db:
             # Every tool but the fresh ones has been there, queued and unclaimed, for 20 minutes.
@@ -495,7 +502,7 @@ def test_a_tool_waiting_on_purpose_or_new_is_not_flagged(waits: Page, tmp_path: 
     dom_text = browse(tmp_path, "--dump-dom", f"{waits.base}/")
     warnings = Dom(dom_text).section("warnings")
     rows = tool_rows(dom_text)
-    for name in (FRESH_PAUSED, FRESH, BUSY, COOLING, HELD):
+    for name in (FRESH_PAUSED, FRESH, BUSY, COOLING, HELD, RATED):
         assert f"No worker: tool {name} " not in warnings
         assert "no worker seen" not in rows[name], rows[name]
 
@@ -507,8 +514,14 @@ def test_held_cooling_and_busy_tools_are_badged(waits: Page, tmp_path: Path) -> 
     assert f"{BUSY} busy 1 of 1 running " in rows[BUSY]
     assert f"{FRESH} ok " in rows[FRESH]
     assert f"{OVER_CAP} a task over the cap " in rows[OVER_CAP]
-    for name in (COOLING, HELD, BUSY, OVER_CAP):
+    assert f"{RATED} rate limited " in rows[RATED]
+    for name in (COOLING, HELD, BUSY, OVER_CAP, RATED):
         assert " ok " not in rows[name]
+
+
+def test_a_rate_limit_shows_its_window_and_next_slot(waits: Page, tmp_path: Path) -> None:
+    panel = Dom(browse(tmp_path, "--dump-dom", f"{waits.base}/")).section("rate-limits")
+    assert f"{RATED} · 1/1 calls per 1 h · at its limit: next slot at " in " ".join(panel.split())
 
 
 def test_healthz_answers_503_within_a_second_with_the_database_down(

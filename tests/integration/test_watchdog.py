@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 import psycopg
 import pytest
+from google.protobuf import duration_pb2
 from psycopg.rows import dict_row
 
 from generation.task.v1 import task_pb2, task_pb2_grpc
@@ -245,6 +246,33 @@ def key_at_its_limit(own: bool) -> Callable[[Db, Stub, str], Callable[[], object
     return hold
 
 
+def key_rate_limited(own: bool) -> Callable[[Db, Stub, str], Callable[[], object]]:
+    """A key limited to one run an hour, and that run started a minute ago (by another tool):
+    the task's own key (OWN_KEY), or the tool's (its name)."""
+
+    def hold(db: Db, stub: Stub, tool_id: str) -> Callable[[], object]:
+        key = OWN_KEY.format(tool=tool_id) if own else tool_name(db, tool_id)
+        stub.SetRateLimit(
+            task_pb2.SetRateLimitRequest(
+                resource_key=key, max_calls=1, window=duration_pb2.Duration(seconds=HOUR)
+            )
+        )
+        db.execute(
+            "INSERT INTO generation.rate_admissions (resource_key, admitted_at, units) "
+            "VALUES (%s, now() - interval '1 minute', 0)",
+            [key],
+        )
+        # Lifted: the run started long enough ago for its slot to have freed an hour ago.
+        return lambda: db.execute(
+            "UPDATE generation.rate_admissions SET admitted_at = now() - interval '3 hours' "
+            "WHERE resource_key = %s",
+            [key],
+        )
+
+    hold.__name__ = "its_own_key_rate_limited" if own else "the_tools_key_rate_limited"
+    return hold
+
+
 def tool_name(db: Db, tool_id: str) -> str:
     found = db.execute("SELECT name FROM generation.tools WHERE id = %s", [tool_id]).fetchone()
     assert found is not None
@@ -253,7 +281,14 @@ def tool_name(db: Db, tool_id: str) -> str:
 
 OWN_KEY = "own-{tool}"
 """The resource key and account group of the task in the test below."""
-TOOL_WAITS = [key_cooling, group_held, key_at_its_limit(own=False), key_at_its_limit(own=True)]
+TOOL_WAITS = [
+    key_cooling,
+    group_held,
+    key_at_its_limit(own=False),
+    key_at_its_limit(own=True),
+    key_rate_limited(own=False),
+    key_rate_limited(own=True),
+]
 
 
 @pytest.mark.parametrize("hold", TOOL_WAITS, ids=[w.__name__ for w in TOOL_WAITS])
