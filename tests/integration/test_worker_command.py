@@ -151,6 +151,22 @@ def test_until_empty_exits_0_when_the_work_waits(
     assert task(wdb, waiting)["status"] == "queued" and attempts(wdb, waiting) == []
 
 
+def test_until_empty_exits_0_when_the_key_is_rate_limited(
+    service: ServiceProcess, tool: task_pb2.Tool, wdb: Db
+) -> None:
+    """One run an hour on the tool's key: the first task runs, the second waits its slot, and
+    the run ends as waiting, not as an error."""
+    limit = task_pb2.SetRateLimitRequest(resource_key=tool.name, max_calls=1)
+    limit.window.FromSeconds(3600)
+    service.stub.SetRateLimit(limit)
+    ran, held = queue(service, tool), queue(service, tool)
+    result = genq_worker(service, tool, APP, "--until-empty")
+    assert result.returncode == DONE, result.stderr
+    assert f"nothing due ({tool.name} rate_limited): empty or waiting" in result.stdout
+    assert attempts(wdb, ran) == ["completed"]
+    assert task(wdb, held)["status"] == "queued" and attempts(wdb, held) == []
+
+
 def test_until_empty_exits_3_when_the_kill_switch_is_off(
     service: ServiceProcess, tool: task_pb2.Tool, wdb: Db
 ) -> None:
