@@ -1108,8 +1108,7 @@ BEGIN
                 WHERE q.tool_id = p_tool AND q.status = 'processing'
                 LIMIT tool.max_in_flight) AS running) END;
     -- Keys at their rate limit (read unlocked, and again under lock in step 3).
-    SELECT rl.keys, rl.frees_at INTO rated_keys, slot_frees
-    FROM generation.rate_limited_v1(NULL) AS rl;
+    SELECT rl.keys INTO rated_keys FROM generation.rate_limited_v1(NULL) AS rl;
     tool_rated := default_key = ANY (rated_keys);
 
     IF blocked IS NULL AND NOT tool_cooling AND NOT tool_held AND NOT tool_busy
