@@ -157,6 +157,36 @@ def test_heartbeat_is_a_hot_update(stub: Stub, db: Db, tool_id: str) -> None:
     assert counts == {"n_tup_upd": 3, "n_tup_hot_upd": 3}
 
 
+def test_a_keys_runs_in_flight_are_its_processing_tasks(stub: Stub, db: Db, tool_id: str) -> None:
+    """generation.key_running_v1 counts a key's runs from the tasks processing under it (their
+    own key, or their tool's), as the ledger's running attempts of the key count them, up to
+    the limit asked."""
+    name = db.execute("SELECT name FROM generation.tools WHERE id = %s", [tool_id]).fetchone()
+    assert name is not None
+    tool_key, own = name["name"], f"own-{tool_id}"
+    for key in (None, None, tool_key, own, own):
+        queue(stub, tool_id, **({} if key is None else {"resource_key": key}))
+    claims = [claim(stub, tool_id) for _ in range(5)]
+
+    def running(key: str, limit: int = 100) -> tuple[int, int]:
+        found = db.execute(
+            "SELECT generation.key_running_v1(%(key)s, %(limit)s) AS counted, "
+            "(SELECT count(*) FROM generation.attempts WHERE tool_id = %(tool)s "
+            " AND resource_key = %(key)s AND outcome = 'running') AS ledger",
+            {"key": key, "limit": limit, "tool": tool_id},
+        ).fetchone()
+        assert found is not None
+        return found["counted"], found["ledger"]
+
+    assert running(tool_key) == (3, 3) and running(own) == (2, 2)
+    assert running(tool_key, limit=2)[0] == 2
+    for done in claims[::2]:
+        stub.CompleteTask(
+            task_pb2.CompleteTaskRequest(task_id=done.task.id, lease_token=done.lease_token)
+        )
+    assert running(tool_key) == (1, 1) and running(own) == (1, 1)
+
+
 def test_every_transition_is_planned_once_and_by_key(db: Db) -> None:
     """Each PL/pgSQL function of the schema carries the three settings; one added without them
     would replan every call, keep a seq-scan plan made while a table was small, or be

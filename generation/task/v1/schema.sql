@@ -159,9 +159,19 @@ CREATE INDEX tasks_finished_idx ON generation.tasks (completed_at)
 -- Queued tasks by expiry, for the sweep that expires them.
 CREATE INDEX tasks_expiry_idx ON generation.tasks (expires_at) WHERE status = 'queued';
 
--- Tasks in flight, for the lease rescuer and the watchdog. claim_expires_at is deliberately not
--- indexed: heartbeats write only that column and so stay HOT.
+-- Tasks in flight, for the lease rescuer, the watchdog and the concurrency limits.
+-- claim_expires_at is deliberately not indexed: heartbeats write only that column and so stay
+-- HOT.
 CREATE INDEX tasks_in_flight_idx ON generation.tasks (tool_id) WHERE status = 'processing';
+
+-- Tasks in flight under a resource key of their own, for the key's concurrency limit
+-- (generation.key_running_v1). A task without one (its tool's key) has no entry. A task holds a
+-- lease token exactly while it is processing (tasks_lease_held_while_processing, and every
+-- transition out of processing clears it); the predicate names the token, not the status, so
+-- that a count of a key cannot be planned as a read of every task in flight through
+-- tasks_in_flight_idx.
+CREATE INDEX tasks_running_key_idx ON generation.tasks (resource_key)
+    WHERE lease_token IS NOT NULL AND resource_key IS NOT NULL;
 
 -- Queued rows the watchdog may have to fail (never claimed for long, or retries used up).
 CREATE INDEX tasks_waiting_idx ON generation.tasks (queued_at) WHERE status IN ('queued', 'dispatched');
@@ -304,8 +314,6 @@ CREATE INDEX attempts_local_day_idx ON generation.attempts (local_day);
 -- When each tool last claimed (a worker is alive), and the last hour's throughput.
 CREATE INDEX attempts_tool_started_idx ON generation.attempts (tool_id, started_at);
 CREATE INDEX attempts_ended_idx ON generation.attempts (ended_at);
--- Runs in flight per resource key, for its concurrency limit.
-CREATE INDEX attempts_running_idx ON generation.attempts (resource_key) WHERE outcome = 'running';
 
 -- A task's event stream: the events stored in task_events, and the two every run has that its
 -- attempt's row already tells: `started` (at the claim, numbered started_seq) and, when a
@@ -672,15 +680,32 @@ BEGIN
 END
 $$;
 
--- How many runs of a resource key are in flight (attempts_running_idx), counted up to p_limit:
--- the count stops at the limit, so it costs the limit's, never the backlog's. The one count the
--- claim, GetStatus and the watchdog (stale_reason_v1) use for a key's concurrency limit.
+-- How many runs of a resource key are in flight, counted up to p_limit: the tasks processing
+-- under that key, their own (tasks_running_key_idx) or, for a task with none, its tool's
+-- (tasks_in_flight_idx, per tool whose key it is). A run counts from its claim until its task
+-- leaves processing, so a run whose late report was refused (its attempt closed, its task not
+-- yet rescued) still counts until the rescuer ends it. A run without a key of its own counts
+-- under its tool's key as it is now. The count stops at the limit, so it costs the limit's,
+-- never the backlog's (a tool's runs under keys of their own are read past). The one count the
+-- claim, GetStatus and the watchdog (stale_reason_v1) use for a key's concurrency limit; the
+-- claim takes it in a statement after the key's limit is locked, so it sees every run a claim
+-- holding that lock started.
 CREATE FUNCTION generation.key_running_v1(p_key text, p_limit integer) RETURNS bigint
 LANGUAGE sql STABLE
 AS $$
     SELECT count(*) FROM (
-        SELECT 1 FROM generation.attempts AS a
-        WHERE a.resource_key = p_key AND a.outcome = 'running'
+        -- Processing: holding a lease (the CHECK's two columns).
+        SELECT 1 FROM generation.tasks AS q
+        WHERE q.resource_key = p_key AND q.lease_token IS NOT NULL
+          AND q.claim_expires_at IS NOT NULL
+        UNION ALL
+        -- OFFSET 0: each tool's runs are read by its id, whatever the statistics say.
+        SELECT 1 FROM generation.tools AS tl
+        CROSS JOIN LATERAL (
+            SELECT 1 FROM generation.tasks AS q
+            WHERE q.tool_id = tl.id AND q.status = 'processing' AND q.resource_key IS NULL
+            OFFSET 0) AS own
+        WHERE COALESCE(tl.resource_key, tl.name) = p_key
         LIMIT p_limit) AS running
 $$;
 
@@ -1710,9 +1735,8 @@ BEGIN
               AND q.lease_token = item.lease_token AND q.claim_expires_at > now()
             RETURNING q.id, q AS task, item.ordinal, item.lease_token,
                       COALESCE(item.cost_nanos, 0) AS cost, item.resource_key),
-        -- Each run's attempt, found by its lease token, with what its close needs; its outcome
-        -- is read here, behind the fence, so that no plan reads every running attempt through
-        -- attempts_running_idx.
+        -- Each run's attempt, found by its lease token, with what its close needs, read once
+        -- behind the fence (the close below joins these rows only, by primary key).
         run AS MATERIALIZED (
             SELECT a.task_id, a.attempt, a.outcome, (done.task).status, done.resource_key,
                    done.cost, (done.task).last_event_seq AS seq
