@@ -304,16 +304,31 @@ CREATE TABLE generation.attempts (
     -- ended it (generation.event_stream derives both events from this row).
     started_seq bigint,
     ended_seq bigint,
+    -- ended_at of a run that lasted more than 10 minutes, else NULL: of what a close changes,
+    -- the one thing an index holds, and it changes only for such runs
+    -- (generation.attempts_ended_since_v1).
+    long_run_ended_at timestamptz GENERATED ALWAYS AS (
+        CASE WHEN ended_at - started_at > interval '10 minutes' THEN ended_at END) STORED,
     PRIMARY KEY (task_id, attempt),
     CONSTRAINT attempts_money_nonnegative CHECK (estimate_nanos >= 0 AND cost_nanos >= 0)
 )
--- Every run's row is updated once, when the run ends; the ledger only grows, so a vacuum at 20 %
--- of it would come ever later: vacuum after a few thousand dead rows instead.
-WITH (autovacuum_vacuum_scale_factor = 0.0, autovacuum_vacuum_threshold = 2000);
+-- Every run's row is updated once, when the run ends. Outcome, end, cost and resource key are in
+-- no index nor any index's predicate, so with room left on its page for the new version the
+-- close of a run of up to 10 minutes is a HOT update: no index entry.
+-- More than half of each page is left free: a batch closes all of a page's rows in one
+-- transaction, before any old version can be pruned, and a closed row is 16 bytes longer (its
+-- end and its terminal event's sequence). The ledger only grows, so a vacuum at 20 % of it would
+-- come ever later: vacuum after a few thousand dead rows instead.
+WITH (fillfactor = 45, autovacuum_vacuum_scale_factor = 0.0, autovacuum_vacuum_threshold = 2000);
+-- The attempts of a local day: GetStats, and a time-zone change that moves today.
 CREATE INDEX attempts_local_day_idx ON generation.attempts (local_day);
--- When each tool last claimed (a worker is alive), and the last hour's throughput.
+-- When each tool last claimed (a worker is alive), and the runs started recently (the last
+-- hour's ended runs, with attempts_long_run_idx).
 CREATE INDEX attempts_tool_started_idx ON generation.attempts (tool_id, started_at);
-CREATE INDEX attempts_ended_idx ON generation.attempts (ended_at);
+-- The runs that lasted more than 10 minutes, by when they ended: the rest of the last hour's
+-- ended runs. A shorter run has no entry, so its close stays HOT.
+CREATE INDEX attempts_long_run_idx ON generation.attempts (long_run_ended_at)
+    WHERE long_run_ended_at IS NOT NULL;
 
 -- A task's event stream: the events stored in task_events, and the two every run has that its
 -- attempt's row already tells: `started` (at the claim, numbered started_seq) and, when a
@@ -707,6 +722,27 @@ AS $$
             OFFSET 0) AS own
         WHERE COALESCE(tl.resource_key, tl.name) = p_key
         LIMIT p_limit) AS running
+$$;
+
+-- The attempts that ended after p_since: those that started 10 minutes before it or later
+-- (attempts_tool_started_idx, tool by tool), and the longer runs (attempts_long_run_idx). Exact:
+-- a run that ended after p_since and started earlier lasted more than 10 minutes, so its
+-- long_run_ended_at is its ended_at. It reads the runs started since 10 minutes before p_since,
+-- never the whole ledger. GetStatus's last hour and the scrape's lease lapses.
+CREATE FUNCTION generation.attempts_ended_since_v1(p_since timestamptz)
+RETURNS SETOF generation.attempts
+LANGUAGE sql STABLE
+AS $$
+    -- OFFSET 0: each tool's runs are read by its id and start, whatever the statistics say.
+    SELECT a.* FROM generation.tools AS tl
+    CROSS JOIN LATERAL (
+        SELECT * FROM generation.attempts AS x
+        WHERE x.tool_id = tl.id AND x.started_at > p_since - interval '10 minutes'
+          AND x.ended_at > p_since
+        OFFSET 0) AS a
+    UNION ALL
+    SELECT * FROM generation.attempts AS a
+    WHERE a.long_run_ended_at > p_since AND a.started_at <= p_since - interval '10 minutes'
 $$;
 
 -- Why a live task can never finish on its own, or NULL: the one definition of "stale" for
