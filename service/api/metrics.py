@@ -19,7 +19,8 @@
 - No `_created` series (prometheus_client's per-series creation timestamps): dashboards do not
   read them and they double the counters' series.
 - A scrape's cost does not grow with the history: no statement of it reads more of the attempts
-  ledger (never purged) than the last hour, through its `ended_at` index.
+  ledger (never purged) than the runs of the last hour and ten minutes and the long runs that
+  ended in the last hour, through index ranges (`generation.attempts_ended_since_v1`).
 """
 
 from __future__ import annotations
@@ -93,20 +94,23 @@ LIVE_STATUSES = ("queued", "dispatched", "processing")
 #   `lease_lost` (the worker came back too late; the attempt keeps the lapse's ended_at);
 # - reclaims of the last hour: of those, the ones whose task was claimed again (the next
 #   attempt of the same task).
-# The window keeps the cost flat: a range of attempts_ended_idx (the same range GetStatus reads
-# for the last hour's chart), then primary-key probes for the few lapsed attempts; never the
-# whole ledger, which keeps every run and is never purged.
+# The window keeps the cost flat: the last hour's ended attempts as GetStatus reads them for its
+# chart (generation.attempts_ended_since_v1: index ranges of the runs started since, and of the
+# long runs), then a primary-key probe for each lapsed attempt (OFFSET 0 keeps it a probe, never
+# a join that reads the whole key); never the whole ledger, which keeps every run and is never
+# purged.
 QUEUE_HEALTH_SQL = """
 WITH lapsed AS MATERIALIZED (
-  SELECT task_id, attempt FROM generation.attempts
-  WHERE ended_at > now() - interval '1 hour' AND outcome IN ('abandoned', 'lease_lost'))
+  SELECT task_id, attempt FROM generation.attempts_ended_since_v1(now() - interval '1 hour')
+  WHERE outcome IN ('abandoned', 'lease_lost'))
 SELECT
   (SELECT COALESCE(jsonb_object_agg(relname, n_dead_tup), '{}')
    FROM pg_stat_user_tables WHERE schemaname = 'generation') AS dead_tuples,
   (SELECT count(*) FROM lapsed) AS lease_lapses,
   (SELECT count(*) FROM lapsed
-   JOIN generation.attempts AS next
-     ON next.task_id = lapsed.task_id AND next.attempt = lapsed.attempt + 1) AS reclaims
+   WHERE EXISTS (SELECT 1 FROM generation.attempts AS next
+                 WHERE next.task_id = lapsed.task_id AND next.attempt = lapsed.attempt + 1
+                 OFFSET 0)) AS reclaims
 """
 
 

@@ -228,18 +228,19 @@ def key_at_its_limit(own: bool) -> Callable[[Db, Stub, str], Callable[[], object
             "INSERT INTO generation.resource_limits (resource_key, max_in_flight) VALUES (%s, 1)",
             [key],
         )
+        # The run: a task of another tool processing under the key (a run counts while its
+        # task is processing), ended two hours ago when the hold is lifted.
         run = db.execute(
-            "INSERT INTO generation.attempts (task_id, attempt, lease_token, tool_id, "
-            "resource_key, account_group, local_day, estimate_nanos) VALUES (gen_random_uuid(), "
-            "1, gen_random_uuid(), gen_random_uuid(), %s, 'elsewhere', current_date, 0) "
-            "RETURNING lease_token",
+            "INSERT INTO generation.tasks (tool_id, status, resource_key, lease_token, "
+            "claim_expires_at, started_at) VALUES (gen_random_uuid(), 'processing', %s, "
+            "gen_random_uuid(), now() + interval '1 hour', now()) RETURNING id",
             [key],
         ).fetchone()
         assert run is not None
         return lambda: db.execute(
-            "UPDATE generation.attempts SET outcome = 'completed', "
-            "ended_at = now() - interval '2 hours' WHERE lease_token = %s",
-            [run["lease_token"]],
+            "UPDATE generation.tasks SET status = 'completed', lease_token = NULL, "
+            "claim_expires_at = NULL, completed_at = now() - interval '2 hours' WHERE id = %s",
+            [run["id"]],
         )
 
     hold.__name__ = "its_own_key_at_its_limit" if own else "the_tools_key_at_its_limit"

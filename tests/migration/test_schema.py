@@ -9,6 +9,7 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
 
 from generation.task.v1 import task_pb2
 from service import migrations
@@ -155,6 +156,118 @@ def test_heartbeat_is_a_hot_update(stub: Stub, db: Db, tool_id: str) -> None:
             "WHERE relid = 'generation.tasks'::regclass"
         ).fetchone()
     assert counts == {"n_tup_upd": 3, "n_tup_hot_upd": 3}
+
+
+def test_an_attempts_close_is_a_hot_update(stub: Stub, db: Db, tool_id: str) -> None:
+    """Closing a run's attempt changes no indexed column (no index holds its outcome, end, cost
+    or key) and its page has room for the new version: every way a run ends, one statement or
+    set-wise, updates the attempt in place (HOT), writing no index entry."""
+    runs = []
+    for _ in range(4):
+        task = queue(stub, tool_id)
+        runs.append((task.id, claim(stub, tool_id).lease_token))
+    (one, token_one), (many, token_many), (failed, token_failed), (released, token_released) = runs
+    with db.transaction():
+        db.execute(
+            "SELECT * FROM generation.complete_task_v1(%s, %s, '{}', NULL, 0, NULL)",
+            [one, token_one],
+        )
+        db.execute(
+            "SELECT * FROM generation.complete_tasks_v1(%s)",
+            [Jsonb([{"ordinal": 0, "task_id": many, "lease_token": token_many, "output": {}}])],
+        )
+        db.execute(
+            "SELECT * FROM generation.fail_task_v1(%s, %s, 'retryable', 'boom', 0, NULL)",
+            [failed, token_failed],
+        )
+        db.execute(
+            "SELECT * FROM generation.release_task_v1(%s, %s, 0, false)",
+            [released, token_released],
+        )
+        counts = db.execute(
+            "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_xact_user_tables "
+            "WHERE relid = 'generation.attempts'::regclass"
+        ).fetchone()
+    assert counts == {"n_tup_upd": 4, "n_tup_hot_upd": 4}
+
+
+def test_a_keys_runs_in_flight_are_its_processing_tasks(stub: Stub, db: Db, tool_id: str) -> None:
+    """generation.key_running_v1 counts a key's runs from the tasks processing under it (their
+    own key, or their tool's), as the ledger's running attempts of the key count them, up to
+    the limit asked."""
+    name = db.execute("SELECT name FROM generation.tools WHERE id = %s", [tool_id]).fetchone()
+    assert name is not None
+    tool_key, own = name["name"], f"own-{tool_id}"
+    for key in (None, None, tool_key, own, own):
+        queue(stub, tool_id, **({} if key is None else {"resource_key": key}))
+    claims = [claim(stub, tool_id) for _ in range(5)]
+
+    def running(key: str, limit: int = 100) -> tuple[int, int]:
+        found = db.execute(
+            "SELECT generation.key_running_v1(%(key)s, %(limit)s) AS counted, "
+            "(SELECT count(*) FROM generation.attempts WHERE tool_id = %(tool)s "
+            " AND resource_key = %(key)s AND outcome = 'running') AS ledger",
+            {"key": key, "limit": limit, "tool": tool_id},
+        ).fetchone()
+        assert found is not None
+        return found["counted"], found["ledger"]
+
+    assert running(tool_key) == (3, 3) and running(own) == (2, 2)
+    assert running(tool_key, limit=2)[0] == 2
+    for done in claims[::2]:
+        stub.CompleteTask(
+            task_pb2.CompleteTaskRequest(task_id=done.task.id, lease_token=done.lease_token)
+        )
+    assert running(tool_key) == (1, 1) and running(own) == (1, 1)
+
+
+def test_the_attempts_ended_since_a_time_are_exactly_those(db: Db, tool_id: str) -> None:
+    """generation.attempts_ended_since_v1 reads the runs started since 10 minutes before the
+    window and the long runs, not the whole ledger; together they are every run that ended in
+    the window, each once, whatever it lasted."""
+    # (started, ended) minutes ago: short and long runs, inside and outside a 60-minute window,
+    # on either side of the 10 minutes before it, and one still running.
+    spans = [(5, 1), (65, 59), (69, 50), (71, 59), (75, 62), (300, 2), (300, 61), (59, 59)]
+    spans.append((3, None))
+    with db.transaction(force_rollback=True):
+        read, expected = ended_in_the_last_hour(db, tool_id, spans)
+    assert read == expected
+    assert len(expected) == 6
+
+
+def ended_in_the_last_hour(
+    db: Db, tool_id: str, spans: list[tuple[int, int | None]]
+) -> tuple[list[str], list[str]]:
+    """Runs of the tool started and ended these minutes ago: those the function reads as ended
+    in the last hour, and those that did."""
+    tokens = []
+    for started, ended in spans:
+        found = db.execute(
+            "INSERT INTO generation.attempts (task_id, attempt, lease_token, tool_id, "
+            "resource_key, account_group, local_day, estimate_nanos, started_at, ended_at, "
+            "outcome) VALUES (gen_random_uuid(), 1, gen_random_uuid(), %s, 'k', 'g', "
+            "current_date, 0, now() - make_interval(mins => %s), "
+            "now() - make_interval(mins => %s), "
+            "CASE WHEN %s::integer IS NULL THEN 'running' ELSE 'completed' END"
+            "::generation.attempt_outcome) RETURNING lease_token",
+            [tool_id, started, ended, ended],
+        ).fetchone()
+        assert found is not None
+        tokens.append(found["lease_token"])
+    window = "now() - interval '1 hour'"
+    read = db.execute(
+        f"SELECT lease_token FROM generation.attempts_ended_since_v1({window}) "
+        "WHERE lease_token = ANY(%s)",
+        [tokens],
+    ).fetchall()
+    expected = db.execute(
+        f"SELECT lease_token FROM generation.attempts WHERE ended_at > {window} "
+        "AND lease_token = ANY(%s)",
+        [tokens],
+    ).fetchall()
+    return sorted(str(r["lease_token"]) for r in read), sorted(
+        str(r["lease_token"]) for r in expected
+    )
 
 
 def test_every_transition_is_planned_once_and_by_key(db: Db) -> None:

@@ -162,9 +162,19 @@ CREATE INDEX tasks_finished_idx ON generation.tasks (completed_at)
 -- Queued tasks by expiry, for the sweep that expires them.
 CREATE INDEX tasks_expiry_idx ON generation.tasks (expires_at) WHERE status = 'queued';
 
--- Tasks in flight, for the lease rescuer and the watchdog. claim_expires_at is deliberately not
--- indexed: heartbeats write only that column and so stay HOT.
+-- Tasks in flight, for the lease rescuer, the watchdog and the concurrency limits.
+-- claim_expires_at is deliberately not indexed: heartbeats write only that column and so stay
+-- HOT.
 CREATE INDEX tasks_in_flight_idx ON generation.tasks (tool_id) WHERE status = 'processing';
+
+-- Tasks in flight under a resource key of their own, for the key's concurrency limit
+-- (generation.key_running_v1). A task without one (its tool's key) has no entry. A task holds a
+-- lease token exactly while it is processing (tasks_lease_held_while_processing, and every
+-- transition out of processing clears it); the predicate names the token, not the status, so
+-- that a count of a key cannot be planned as a read of every task in flight through
+-- tasks_in_flight_idx.
+CREATE INDEX tasks_running_key_idx ON generation.tasks (resource_key)
+    WHERE lease_token IS NOT NULL AND resource_key IS NOT NULL;
 
 -- Queued rows the watchdog may have to fail (never claimed for long, or retries used up).
 CREATE INDEX tasks_waiting_idx ON generation.tasks (queued_at) WHERE status IN ('queued', 'dispatched');
@@ -320,18 +330,31 @@ CREATE TABLE generation.attempts (
     -- ended it (generation.event_stream derives both events from this row).
     started_seq bigint,
     ended_seq bigint,
+    -- ended_at of a run that lasted more than 10 minutes, else NULL: of what a close changes,
+    -- the one thing an index holds, and it changes only for such runs
+    -- (generation.attempts_ended_since_v1).
+    long_run_ended_at timestamptz GENERATED ALWAYS AS (
+        CASE WHEN ended_at - started_at > interval '10 minutes' THEN ended_at END) STORED,
     PRIMARY KEY (task_id, attempt),
     CONSTRAINT attempts_money_nonnegative CHECK (estimate_nanos >= 0 AND cost_nanos >= 0)
 )
--- Every run's row is updated once, when the run ends; the ledger only grows, so a vacuum at 20 %
--- of it would come ever later: vacuum after a few thousand dead rows instead.
-WITH (autovacuum_vacuum_scale_factor = 0.0, autovacuum_vacuum_threshold = 2000);
+-- Every run's row is updated once, when the run ends. Outcome, end, cost and resource key are in
+-- no index nor any index's predicate, so with room left on its page for the new version the
+-- close of a run of up to 10 minutes is a HOT update: no index entry.
+-- More than half of each page is left free: a batch closes all of a page's rows in one
+-- transaction, before any old version can be pruned, and a closed row is 16 bytes longer (its
+-- end and its terminal event's sequence). The ledger only grows, so a vacuum at 20 % of it would
+-- come ever later: vacuum after a few thousand dead rows instead.
+WITH (fillfactor = 45, autovacuum_vacuum_scale_factor = 0.0, autovacuum_vacuum_threshold = 2000);
+-- The attempts of a local day: GetStats, and a time-zone change that moves today.
 CREATE INDEX attempts_local_day_idx ON generation.attempts (local_day);
--- When each tool last claimed (a worker is alive), and the last hour's throughput.
+-- When each tool last claimed (a worker is alive), and the runs started recently (the last
+-- hour's ended runs, with attempts_long_run_idx).
 CREATE INDEX attempts_tool_started_idx ON generation.attempts (tool_id, started_at);
-CREATE INDEX attempts_ended_idx ON generation.attempts (ended_at);
--- Runs in flight per resource key, for its concurrency limit.
-CREATE INDEX attempts_running_idx ON generation.attempts (resource_key) WHERE outcome = 'running';
+-- The runs that lasted more than 10 minutes, by when they ended: the rest of the last hour's
+-- ended runs. A shorter run has no entry, so its close stays HOT.
+CREATE INDEX attempts_long_run_idx ON generation.attempts (long_run_ended_at)
+    WHERE long_run_ended_at IS NOT NULL;
 
 -- A task's event stream: the events stored in task_events, and the two every run has that its
 -- attempt's row already tells: `started` (at the claim, numbered started_seq) and, when a
@@ -698,15 +721,32 @@ BEGIN
 END
 $$;
 
--- How many runs of a resource key are in flight (attempts_running_idx), counted up to p_limit:
--- the count stops at the limit, so it costs the limit's, never the backlog's. The one count the
--- claim, GetStatus and the watchdog (stale_reason_v1) use for a key's concurrency limit.
+-- How many runs of a resource key are in flight, counted up to p_limit: the tasks processing
+-- under that key, their own (tasks_running_key_idx) or, for a task with none, its tool's
+-- (tasks_in_flight_idx, per tool whose key it is). A run counts from its claim until its task
+-- leaves processing, so a run whose late report was refused (its attempt closed, its task not
+-- yet rescued) still counts until the rescuer ends it. A run without a key of its own counts
+-- under its tool's key as it is now. The count stops at the limit, so it costs the limit's,
+-- never the backlog's (a tool's runs under keys of their own are read past). The one count the
+-- claim, GetStatus and the watchdog (stale_reason_v1) use for a key's concurrency limit; the
+-- claim takes it in a statement after the key's limit is locked, so it sees every run a claim
+-- holding that lock started.
 CREATE FUNCTION generation.key_running_v1(p_key text, p_limit integer) RETURNS bigint
 LANGUAGE sql STABLE
 AS $$
     SELECT count(*) FROM (
-        SELECT 1 FROM generation.attempts AS a
-        WHERE a.resource_key = p_key AND a.outcome = 'running'
+        -- Processing: holding a lease (the CHECK's two columns).
+        SELECT 1 FROM generation.tasks AS q
+        WHERE q.resource_key = p_key AND q.lease_token IS NOT NULL
+          AND q.claim_expires_at IS NOT NULL
+        UNION ALL
+        -- OFFSET 0: each tool's runs are read by its id, whatever the statistics say.
+        SELECT 1 FROM generation.tools AS tl
+        CROSS JOIN LATERAL (
+            SELECT 1 FROM generation.tasks AS q
+            WHERE q.tool_id = tl.id AND q.status = 'processing' AND q.resource_key IS NULL
+            OFFSET 0) AS own
+        WHERE COALESCE(tl.resource_key, tl.name) = p_key
         LIMIT p_limit) AS running
 $$;
 
@@ -739,6 +779,27 @@ AS $$
     FROM generation.rate_limits AS r,
          generation.rate_window_v1(r.resource_key, r.max_calls, r.max_units, r.window_seconds) AS w
     WHERE (p_keys IS NULL OR r.resource_key = ANY (p_keys)) AND w.at_limit
+$$;
+
+-- The attempts that ended after p_since: those that started 10 minutes before it or later
+-- (attempts_tool_started_idx, tool by tool), and the longer runs (attempts_long_run_idx). Exact:
+-- a run that ended after p_since and started earlier lasted more than 10 minutes, so its
+-- long_run_ended_at is its ended_at. It reads the runs started since 10 minutes before p_since,
+-- never the whole ledger. GetStatus's last hour and the scrape's lease lapses.
+CREATE FUNCTION generation.attempts_ended_since_v1(p_since timestamptz)
+RETURNS SETOF generation.attempts
+LANGUAGE sql STABLE
+AS $$
+    -- OFFSET 0: each tool's runs are read by its id and start, whatever the statistics say.
+    SELECT a.* FROM generation.tools AS tl
+    CROSS JOIN LATERAL (
+        SELECT * FROM generation.attempts AS x
+        WHERE x.tool_id = tl.id AND x.started_at > p_since - interval '10 minutes'
+          AND x.ended_at > p_since
+        OFFSET 0) AS a
+    UNION ALL
+    SELECT * FROM generation.attempts AS a
+    WHERE a.long_run_ended_at > p_since AND a.started_at <= p_since - interval '10 minutes'
 $$;
 
 -- Why a live task can never finish on its own, or NULL: the one definition of "stale" for
@@ -1853,9 +1914,8 @@ BEGIN
               AND q.lease_token = item.lease_token AND q.claim_expires_at > now()
             RETURNING q.id, q AS task, item.ordinal, item.lease_token,
                       COALESCE(item.cost_nanos, 0) AS cost, item.resource_key),
-        -- Each run's attempt, found by its lease token, with what its close needs; its outcome
-        -- is read here, behind the fence, so that no plan reads every running attempt through
-        -- attempts_running_idx.
+        -- Each run's attempt, found by its lease token, with what its close needs, read once
+        -- behind the fence (the close below joins these rows only, by primary key).
         run AS MATERIALIZED (
             SELECT a.task_id, a.attempt, a.outcome, (done.task).status, done.resource_key,
                    done.cost, (done.task).last_event_seq AS seq
