@@ -284,6 +284,10 @@ CREATE TABLE generation.rate_limits (
     max_calls integer,
     max_units bigint,
     window_seconds integer NOT NULL DEFAULT 60,
+    -- Set by the claim that left the window no call or no unit: when its first slot frees. The
+    -- claim's unlocked first look reads this instead of counting every key's window; the count
+    -- under the row's lock (rate_window_v1) decides. SetRateLimit clears it.
+    limited_until timestamptz,
     CONSTRAINT rate_limits_positive CHECK (max_calls >= 1 AND max_units >= 1),
     CONSTRAINT rate_limits_some CHECK (max_calls IS NOT NULL OR max_units IS NOT NULL),
     CONSTRAINT rate_limits_window_range CHECK (window_seconds BETWEEN 1 AND 86400)
@@ -1029,6 +1033,7 @@ DECLARE
     rate_keys text[] := '{}';
     calls_left bigint[] := '{}';
     units_left bigint[] := '{}';
+    rate_frees timestamptz[] := '{}';
     rate integer;
     rate_limited boolean := false;
     slot_frees timestamptz;
@@ -1168,8 +1173,10 @@ BEGIN
                 SELECT 1 FROM generation.tasks AS q
                 WHERE q.tool_id = p_tool AND q.status = 'processing'
                 LIMIT tool.max_in_flight) AS running) END;
-    -- Keys at their rate limit (read unlocked, and again under lock in step 3).
-    SELECT rl.keys INTO rated_keys FROM generation.rate_limited_v1(NULL) AS rl;
+    -- Keys at their rate limit, as the last claim that filled each window left it (read
+    -- unlocked; the picked keys' windows are counted under lock in step 3).
+    SELECT COALESCE(array_agg(r.resource_key), '{}') INTO rated_keys
+    FROM generation.rate_limits AS r WHERE r.limited_until > now();
     tool_rated := default_key = ANY (rated_keys);
 
     IF blocked IS NULL AND NOT tool_cooling AND NOT tool_held AND NOT tool_busy
@@ -1230,8 +1237,10 @@ BEGIN
         FOR NO KEY UPDATE;
         SELECT COALESCE(array_agg(r.resource_key), '{}'),
                COALESCE(array_agg(r.max_calls - w.calls), '{}'),
-               COALESCE(array_agg(r.max_units - w.units), '{}')
-        INTO rate_keys, calls_left, units_left
+               COALESCE(array_agg(r.max_units - w.units), '{}'),
+               COALESCE(array_agg(COALESCE(w.frees_at, now() + make_interval(
+                   secs => r.window_seconds))), '{}')
+        INTO rate_keys, calls_left, units_left, rate_frees
         FROM generation.rate_limits AS r,
              generation.rate_window_v1(r.resource_key, r.max_calls, r.max_units,
                                        r.window_seconds) AS w
@@ -1336,6 +1345,16 @@ BEGIN
                 units_left[rate] := units_left[rate] - units[i];
             END IF;
         END LOOP;
+        --    A window left with no call or no unit: mark its key until its first slot frees,
+        --    for the next claims' unlocked look (its row is locked already).
+        IF cardinality(rate_keys) > 0 THEN
+            UPDATE generation.rate_limits AS r
+            SET limited_until = filled.frees_at
+            FROM unnest(rate_keys, calls_left, units_left, rate_frees)
+                 AS filled (resource_key, calls, units, frees_at)
+            WHERE r.resource_key = filled.resource_key AND (filled.calls < 1 OR filled.units < 1)
+              AND r.limited_until IS DISTINCT FROM filled.frees_at;
+        END IF;
     END IF;
 
     -- 5. A worker asked for the tool's work (noted at most every 5 s): the watchdog's sign that
@@ -1380,14 +1399,10 @@ BEGIN
         -- Rate-limited: when the first of the keys that held tasks back frees a slot (for a
         -- task short of units, when the oldest admission of its key leaves the window).
         IF blocked = 'rate_limited' AND rate_limited THEN
-            SELECT min(w.frees_at) INTO slot_frees
-            FROM generation.rate_limits AS r,
-                 generation.rate_window_v1(r.resource_key, r.max_calls, r.max_units,
-                                           r.window_seconds) AS w
-            WHERE r.resource_key = ANY (keys);
+            SELECT min(f) INTO slot_frees FROM unnest(rate_frees) AS f;
         ELSIF blocked = 'rate_limited' THEN
-            SELECT rl.frees_at INTO slot_frees
-            FROM generation.rate_limited_v1(ARRAY[default_key, head.resource_key]) AS rl;
+            SELECT min(r.limited_until) INTO slot_frees FROM generation.rate_limits AS r
+            WHERE r.resource_key IN (default_key, head.resource_key);
         END IF;
         RETURN QUERY SELECT NULL::generation.tasks, NULL::integer, blocked, NULL::jsonb,
                             CASE WHEN blocked = 'rate_limited' THEN slot_frees END;
