@@ -33,7 +33,7 @@ from service.api.rpcs import STATEMENTS  # noqa: E402
 QUEUED = 20_000
 
 
-def claims(url: str, tool_id: str, count: int, limit: int) -> list[float]:
+def claims(url: str, tool_id: object, count: int, limit: int) -> list[float]:
     """Microseconds of each of `count` ClaimTasks statements, each rolled back."""
     params = {
         "tool_id": tool_id,
