@@ -82,11 +82,12 @@ def main(argv: list[str] | None = None) -> int:
                     "VALUES (%s, 1000000, 60)",
                     [key[0]],
                 )
+                # The window's runs, spread over its last 50 one-second slices.
                 connection.execute(
-                    "INSERT INTO generation.rate_admissions (resource_key, admitted_at, units) "
-                    "SELECT %s, now() - random() * interval '50 seconds', 0 "
-                    "FROM generate_series(1, %s)",
-                    [key[0], admitted],
+                    "INSERT INTO generation.rate_slices (resource_key, slice_end, calls, units) "
+                    "SELECT %s, date_trunc('second', now()) - g * interval '1 second', %s, 0 "
+                    "FROM generate_series(0, 49) AS g WHERE %s > 0",
+                    [key[0], admitted // 50, admitted],
                 )
             connection.execute("VACUUM ANALYZE")
         lines = [("no rate limit", TOOL_IDS[0])] + [

@@ -259,13 +259,13 @@ def key_rate_limited(own: bool) -> Callable[[Db, Stub, str], Callable[[], object
             )
         )
         db.execute(
-            "INSERT INTO generation.rate_admissions (resource_key, admitted_at, units) "
-            "VALUES (%s, now() - interval '1 minute', 0)",
+            "INSERT INTO generation.rate_slices (resource_key, slice_end, calls, units) "
+            "VALUES (%s, now() - interval '1 minute', 1, 0)",
             [key],
         )
         # Lifted: the run started long enough ago for its slot to have freed an hour ago.
         return lambda: db.execute(
-            "UPDATE generation.rate_admissions SET admitted_at = now() - interval '3 hours' "
+            "UPDATE generation.rate_slices SET slice_end = now() - interval '3 hours' "
             "WHERE resource_key = %s",
             [key],
         )

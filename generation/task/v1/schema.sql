@@ -293,15 +293,17 @@ CREATE TABLE generation.rate_limits (
     CONSTRAINT rate_limits_window_range CHECK (window_seconds BETWEEN 1 AND 86400)
 );
 
--- The runs the claim started under a rate limit: their key, when (the claim's now(), as the
--- attempt's started_at) and their units. Written only for keys with a rate limit; PurgeTasks
--- deletes what left its window.
-CREATE TABLE generation.rate_admissions (
+-- The runs the claim started under a rate limit, counted per key in slices of a sixtieth of its
+-- window (a second at least): the runs and their units admitted from slice_end - width up to
+-- slice_end. Written only for keys with a rate limit, one row a slice, so a claim counts at most
+-- 61 rows whatever the limit; PurgeTasks deletes the slices that left their window.
+CREATE TABLE generation.rate_slices (
     resource_key text NOT NULL,
-    admitted_at timestamptz NOT NULL,
-    units bigint NOT NULL
+    slice_end timestamptz NOT NULL,
+    calls bigint NOT NULL,
+    units bigint NOT NULL,
+    PRIMARY KEY (resource_key, slice_end)
 );
-CREATE INDEX rate_admissions_window_idx ON generation.rate_admissions (resource_key, admitted_at);
 
 -- Account holds per group, after an account error (out of credit, say).
 CREATE TABLE generation.holds (
@@ -754,10 +756,21 @@ AS $$
         LIMIT p_limit) AS running
 $$;
 
+-- The end of the slice of a window of p_window_seconds that holds now(): slices are a
+-- sixtieth of the window wide (a whole second at least), aligned on the epoch.
+CREATE FUNCTION generation.rate_slice_end_v1(p_window_seconds integer) RETURNS timestamptz
+LANGUAGE sql STABLE
+AS $$
+    SELECT to_timestamp((floor(extract(epoch FROM now()) / w.width) + 1) * w.width)
+    FROM (SELECT ceil(p_window_seconds / 60.0) AS width) AS w
+$$;
+
 -- A rate-limited key's window as it stands now, given its limit: the runs it started and the
--- units it admitted since now() - window, whether that is the limit (no call, or no unit, left),
--- and when the oldest of them leaves the window (the next slot frees). The one reading of a
--- rate limit: the claim (under the limit's row lock), the watchdog, GetStatus, GetResourceKey.
+-- units it admitted in the slices that end after now() - window, whether that is the limit (no
+-- call, or no unit, left), and when the oldest of those slices leaves the window (the next slot
+-- frees). A slice partly out of the window counts whole: near its edge a key may start fewer
+-- than its limit, never more. The one reading of a rate limit: the claim (under the limit's row
+-- lock), the watchdog, GetStatus, GetResourceKey.
 CREATE FUNCTION generation.rate_window_v1(
     p_key text, p_max_calls integer, p_max_units bigint, p_window_seconds integer
 ) RETURNS TABLE (calls bigint, units bigint, at_limit boolean, frees_at timestamptz)
@@ -766,11 +779,11 @@ AS $$
     SELECT w.calls, w.units,
            COALESCE(w.calls >= p_max_calls, false) OR COALESCE(w.units >= p_max_units, false),
            w.oldest + make_interval(secs => p_window_seconds)
-    FROM (SELECT count(*) AS calls, COALESCE(sum(a.units), 0)::bigint AS units,
-                 min(a.admitted_at) AS oldest
-          FROM generation.rate_admissions AS a
-          WHERE a.resource_key = p_key
-            AND a.admitted_at > now() - make_interval(secs => p_window_seconds)) AS w
+    FROM (SELECT COALESCE(sum(s.calls), 0)::bigint AS calls,
+                 COALESCE(sum(s.units), 0)::bigint AS units, min(s.slice_end) AS oldest
+          FROM generation.rate_slices AS s
+          WHERE s.resource_key = p_key
+            AND s.slice_end > now() - make_interval(secs => p_window_seconds)) AS w
 $$;
 
 -- The keys among p_keys (NULL: every key) at their rate limit now, and the earliest time one of
@@ -849,7 +862,7 @@ AS $$
                 (SELECT max(r.seen_at) FROM generation.replica_overrides AS r
                  WHERE r.disabled OR (r.daily_cap_nanos IS NOT NULL
                                       AND r.seen_at <= now() - interval '30 seconds')),
-                (SELECT max((SELECT max(a.admitted_at) FROM generation.rate_admissions AS a
+                (SELECT max((SELECT max(a.slice_end) FROM generation.rate_slices AS a
                              WHERE a.resource_key = r.resource_key)
                             + make_interval(secs => r.window_seconds))
                  FROM generation.rate_limits AS r
@@ -1230,7 +1243,7 @@ BEGIN
         END LOOP;
         --    The rate limits likewise, after the concurrency limits: lock the picked keys'
         --    rate_limits rows in key order, then read each window in a statement of its own, so
-        --    that it sees the admissions of the claim that held the lock before (NULL room: no
+        --    that it sees the slices the claim that held the lock before wrote (NULL room: no
         --    limit of that kind).
         PERFORM 1 FROM generation.rate_limits AS r WHERE r.resource_key = ANY (keys)
         ORDER BY r.resource_key
@@ -1238,8 +1251,9 @@ BEGIN
         SELECT COALESCE(array_agg(r.resource_key), '{}'),
                COALESCE(array_agg(r.max_calls - w.calls), '{}'),
                COALESCE(array_agg(r.max_units - w.units), '{}'),
-               COALESCE(array_agg(COALESCE(w.frees_at, now() + make_interval(
-                   secs => r.window_seconds))), '{}')
+               COALESCE(array_agg(COALESCE(w.frees_at,
+                   generation.rate_slice_end_v1(r.window_seconds)
+                   + make_interval(secs => r.window_seconds))), '{}')
         INTO rate_keys, calls_left, units_left, rate_frees
         FROM generation.rate_limits AS r,
              generation.rate_window_v1(r.resource_key, r.max_calls, r.max_units,
@@ -1420,7 +1434,7 @@ BEGIN
     END IF;
 
     -- 8. Start the runs: the claim's fresh, unconfirmed lease, an attempt each (which carries
-    --    its `started` event), and an admission each for a key with a rate limit.
+    --    its `started` event), counted in the current slice of each rate-limited key.
     RETURN QUERY
     WITH started AS (
         UPDATE generation.tasks AS t
@@ -1443,10 +1457,14 @@ BEGIN
                today, estimates[array_position(ids, started.id)], started.last_event_seq
         FROM started),
     admission AS (
-        INSERT INTO generation.rate_admissions (resource_key, admitted_at, units)
-        SELECT keys[array_position(ids, started.id)], now(), units[array_position(ids, started.id)]
+        INSERT INTO generation.rate_slices AS s (resource_key, slice_end, calls, units)
+        SELECT r.resource_key, generation.rate_slice_end_v1(r.window_seconds), count(*),
+               sum(units[array_position(ids, started.id)])
         FROM started
-        WHERE keys[array_position(ids, started.id)] = ANY (rate_keys))
+        JOIN generation.rate_limits AS r ON r.resource_key = keys[array_position(ids, started.id)]
+        GROUP BY r.resource_key, r.window_seconds
+        ON CONFLICT (resource_key, slice_end) DO UPDATE
+        SET calls = s.calls + EXCLUDED.calls, units = s.units + EXCLUDED.units)
     SELECT ROW(started.*)::generation.tasks, lease, NULL::text,
            generation.started_event_v1(started.id, started.last_event_seq, started.attempt_count),
            NULL::timestamptz

@@ -466,8 +466,8 @@ class GenerationDataServiceServicer:
         any `window`, at most max_calls runs of the key start, and at most max_units of their
         rate_units are admitted, across tools and replicas. A claim beyond it leaves the key's tasks
         queued and answers IDLE_REASON_RATE_LIMITED with the time the next slot frees when nothing
-        else was claimable. The claim counts the key's admissions in generation.rate_admissions
-        under the lock of its rate_limits row (generation.claim_tasks_v1, steps 3 and 4).
+        else was claimable. The claim counts the key's runs in generation.rate_slices under the
+        lock of its rate_limits row (generation.claim_tasks_v1, steps 3 and 4).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

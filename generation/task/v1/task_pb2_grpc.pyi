@@ -189,8 +189,8 @@ class GenerationDataServiceStub:
     any `window`, at most max_calls runs of the key start, and at most max_units of their
     rate_units are admitted, across tools and replicas. A claim beyond it leaves the key's tasks
     queued and answers IDLE_REASON_RATE_LIMITED with the time the next slot frees when nothing
-    else was claimable. The claim counts the key's admissions in generation.rate_admissions
-    under the lock of its rate_limits row (generation.claim_tasks_v1, steps 3 and 4).
+    else was claimable. The claim counts the key's runs in generation.rate_slices under the
+    lock of its rate_limits row (generation.claim_tasks_v1, steps 3 and 4).
     """
     GetResourceKey: _grpc.UnaryUnaryMultiCallable[_task_pb2.GetResourceKeyRequest, _task_pb2.GetResourceKeyResponse]
     """A resource key's state: cooling (until when, after how many failures), its concurrency
@@ -419,8 +419,8 @@ class GenerationDataServiceAsyncStub(GenerationDataServiceStub):
     any `window`, at most max_calls runs of the key start, and at most max_units of their
     rate_units are admitted, across tools and replicas. A claim beyond it leaves the key's tasks
     queued and answers IDLE_REASON_RATE_LIMITED with the time the next slot frees when nothing
-    else was claimable. The claim counts the key's admissions in generation.rate_admissions
-    under the lock of its rate_limits row (generation.claim_tasks_v1, steps 3 and 4).
+    else was claimable. The claim counts the key's runs in generation.rate_slices under the
+    lock of its rate_limits row (generation.claim_tasks_v1, steps 3 and 4).
     """
     GetResourceKey: _aio.UnaryUnaryMultiCallable[_task_pb2.GetResourceKeyRequest, _task_pb2.GetResourceKeyResponse]  # type: ignore[assignment]
     """A resource key's state: cooling (until when, after how many failures), its concurrency
@@ -778,8 +778,8 @@ class GenerationDataServiceServicer(metaclass=_abc_1.ABCMeta):
         any `window`, at most max_calls runs of the key start, and at most max_units of their
         rate_units are admitted, across tools and replicas. A claim beyond it leaves the key's tasks
         queued and answers IDLE_REASON_RATE_LIMITED with the time the next slot frees when nothing
-        else was claimable. The claim counts the key's admissions in generation.rate_admissions
-        under the lock of its rate_limits row (generation.claim_tasks_v1, steps 3 and 4).
+        else was claimable. The claim counts the key's runs in generation.rate_slices under the
+        lock of its rate_limits row (generation.claim_tasks_v1, steps 3 and 4).
         """
 
     @_abc_1.abstractmethod
