@@ -14,7 +14,9 @@ For each N in `--batches`, one run, PGQueuer first (all N), then genq (all N):
   process that enqueues `--tasks` jobs with `Queries.enqueue`, 1,000 a call, one call at a time,
   then drains them with `QueueManager.run(batch_size=N)` (continuous, as a production worker
   runs; stopped once the bench has read the drain's figures) and an entrypoint that returns at
-  once.
+  once. PGQueuer dequeues the next batch while the last one runs, so batch N may run 2N jobs and
+  more at once; a second drain holds it to N (the entrypoint's `concurrency_limit=N`), as genq's
+  N lanes are held: printed as a reference beside the bar, not as one.
 - genq: a database of its own (migrated, a daily cap no run reaches), `python -m service serve`
   on a free port with its defaults (`--service-env NAME=VALUE` to change them; `--hop`: bench/
   hop.py instead, the service without its middleware), one tool "noop", warmed by one enqueue
@@ -455,10 +457,11 @@ PGQ_DONE = (
 )
 
 
-def pgqueuer_process(url: str, tasks: int, batch: int, pipe: Connection) -> None:
+def pgqueuer_process(url: str, tasks: int, batch: int, cap: int, pipe: Connection) -> None:
     """PGQueuer's side in a process of its own: enqueue on "enqueue", then a QueueManager as it
     runs in production (continuous) from "drain" to "stop", which the bench sends once it has read
-    the drain's figures: the process and its connections are alive while their CPU is read."""
+    the drain's figures: the process and its connections are alive while their CPU is read.
+    `cap`: the entrypoint's concurrency_limit (0: none, PGQueuer's default)."""
 
     async def main() -> None:
         import asyncpg
@@ -476,7 +479,7 @@ def pgqueuer_process(url: str, tasks: int, batch: int, pipe: Connection) -> None
         queries = Queries(AsyncpgDriver(enqueuing))
         manager = QueueManager(Queries(AsyncpgDriver(draining)))
 
-        @manager.entrypoint(TOOL)
+        @manager.entrypoint(TOOL, concurrency_limit=cap)
         async def noop(job: Any) -> None:
             return None
 
@@ -504,9 +507,9 @@ def pgqueuer_process(url: str, tasks: int, batch: int, pipe: Connection) -> None
     asyncio.run(main())
 
 
-def pgqueuer(args: argparse.Namespace, batch: int, wal: WalMeter | None) -> Run:
+def pgqueuer(args: argparse.Namespace, batch: int, wal: WalMeter | None, cap: int = 0) -> Run:
     """PGQueuer's enqueue and drain of `args.tasks` jobs at dequeue batch `batch`, on a
-    database of its own (WAL not read without `wal`)."""
+    database of its own (WAL not read without `wal`); `cap`: at most that many jobs at once."""
     if importlib.util.find_spec("pgqueuer") is None:
         raise SystemExit(
             "PGQueuer is missing: .venv/bin/pip install -e '.[bench]' (see the docstring)"
@@ -520,7 +523,7 @@ def pgqueuer(args: argparse.Namespace, batch: int, wal: WalMeter | None) -> Run:
         oid = database_oid(url)
         spawn = multiprocessing.get_context("spawn")
         ours, theirs = spawn.Pipe()
-        process = spawn.Process(target=pgqueuer_process, args=(url, args.tasks, batch, theirs))
+        process = spawn.Process(target=pgqueuer_process, args=(url, args.tasks, batch, cap, theirs))
         process.start()
         try:
             ((_, commits),) = started([ours], "the PGQueuer process")
@@ -545,7 +548,8 @@ def pgqueuer(args: argparse.Namespace, batch: int, wal: WalMeter | None) -> Run:
             started([ours], "PGQueuer's stop")
         finally:
             stop([process])
-    return Run("PGQueuer", batch, args.tasks, enqueue_rate, last - go, enqueued, drained, cpu)
+    side = f"PGQueuer, at most {cap} at once" if cap else "PGQueuer"
+    return Run(side, batch, args.tasks, enqueue_rate, last - go, enqueued, drained, cpu)
 
 
 # --- genq ---------------------------------------------------------------------------------------
@@ -856,6 +860,16 @@ def compare(args: argparse.Namespace, wal: WalMeter) -> None:
             f"  PGQueuer batch {batch}: enqueue {run.enqueue_per_second:,.0f}/s, drain "
             f"{run.tasks:,} in {run.drain_seconds:.2f} s = {run.per_second:,.0f}/s"
         )
+    capped = []
+    for batch in args.batches:
+        # Like genq's N lanes: PGQueuer's batch N runs the next batch before the last one ends,
+        # so it may run 2N and more at once; this line holds it to N (not a bar, a reference).
+        run = unhit(partial(pgqueuer, args, batch, None, batch))
+        capped.append(run)
+        print(
+            f"  PGQueuer batch {batch}, at most {batch} at once: drain {run.tasks:,} in "
+            f"{run.drain_seconds:.2f} s = {run.per_second:,.0f}/s"
+        )
     ours = []
     with genq_service(args) as genq:
         for batch in args.batches:
@@ -865,6 +879,13 @@ def compare(args: argparse.Namespace, wal: WalMeter) -> None:
     if args.hop:
         print("the genq lines below are the hop's (bench/hop.py), not the service's:")
     table(list(zip(peers, ours, strict=True)))
+    for limited, run in zip(capped, ours, strict=True):
+        print(
+            f"N={run.batch}: genq / PGQueuer held to {run.batch} at once (a reference, not a "
+            f"bar): drain {run.per_second / limited.per_second:.2f}{TIMES}; PGQueuer's CPU "
+            f"µs/task so held: workers {number(limited.micros('workers'))}, Postgres "
+            f"{number(limited.micros('postgres'))}"
+        )
     notes([run for pair in zip(peers, ours, strict=True) for run in pair], wal.inspect)
 
 
