@@ -1,4 +1,4 @@
-"""Where the service's side of a drained batch goes, part by part: ClaimTasks, HeartbeatTasks
+"""Where the service's side of a drained batch goes, part by part: ClaimTasks, ConfirmClaim
 and CompleteTasks of `--items` tasks each (docs/BENCHMARKS.md, "Floors and parts").
 
     .venv/bin/python bench/batch_parts.py [--items 100] [--rounds 12]
@@ -88,13 +88,12 @@ def main() -> None:
                 claimed = call(parts, connection, "ClaimTasks", claim, settings)
                 assert isinstance(claimed, task_pb2.ClaimTasksResponse) and claimed.tasks
                 leases = [(item.task.id, item.lease_token) for item in claimed.tasks]
-                beats = task_pb2.HeartbeatTasksRequest(
-                    tasks=[
-                        task_pb2.HeartbeatTaskRequest(task_id=task, lease_token=lease)
-                        for task, lease in leases
-                    ]
+                confirm = task_pb2.ConfirmClaimRequest(
+                    tool_id=str(TOOL_IDS[0]),
+                    lease_token=leases[0][1],
+                    task_ids=[task for task, _ in leases],
                 )
-                call(parts, connection, "HeartbeatTasks", beats, settings)
+                call(parts, connection, "ConfirmClaim", confirm, settings)
                 completes = task_pb2.CompleteTasksRequest(
                     tasks=[
                         task_pb2.CompleteTaskRequest(task_id=task, lease_token=lease)
