@@ -84,6 +84,7 @@ import importlib.util
 import multiprocessing
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -385,8 +386,9 @@ class Run:
     """CPU seconds during the drain: service, workers, postgres, machine."""
     calls: Counter[str] = field(default_factory=Counter)
     """genq: RPCs by method, all workers together."""
-    seconds: dict[str, float] = field(default_factory=dict)
-    """genq: seconds those calls took, by method (a parked claim's wait included)."""
+    seconds: dict[str, list[float]] = field(default_factory=dict)
+    """genq: the seconds each of those calls took, by method (a parked claim's wait included:
+    the workers' first claims park until the release, so a median is printed, not a mean)."""
 
     @property
     def per_second(self) -> float:
@@ -557,12 +559,12 @@ def pgqueuer(args: argparse.Namespace, batch: int, wal: WalMeter | None, cap: in
 
 class CountingClient(GenqClient):
     """A GenqClient that counts calls by method (for the RPCs per 1,000 tasks), and the seconds
-    they took."""
+    each took."""
 
     def __init__(self, target: str) -> None:
         super().__init__(target)
         self.calls: Counter[str] = Counter()
-        self.seconds: dict[str, float] = {}
+        self.seconds: dict[str, list[float]] = {}
 
     async def call(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
         self.calls[method] += 1
@@ -571,7 +573,7 @@ class CountingClient(GenqClient):
             return await super().call(method, request, timeout=timeout)
         finally:
             took = time.perf_counter() - started
-            self.seconds[method] = self.seconds.get(method, 0.0) + took
+            self.seconds.setdefault(method, []).append(took)
 
 
 async def noop(task: Any, ctx: TaskContext) -> None:
@@ -700,11 +702,11 @@ def genq_run(
         for pid in pids:
             os.kill(pid, signal.SIGTERM)
         calls: Counter[str] = Counter()
-        seconds: dict[str, float] = {}
+        seconds: dict[str, list[float]] = {}
         for counted, took in started(pipes, "a worker's drain"):
             calls.update(counted)
             for method, spent in took.items():
-                seconds[method] = seconds.get(method, 0.0) + spent
+                seconds.setdefault(method, []).extend(spent)
     finally:
         stop(processes)
     return Run(
@@ -819,13 +821,13 @@ def notes(runs: list[Run], inspected: bool) -> None:
 def genq_detail(run: Run) -> None:
     thousands = run.tasks / 1000
     calls = ", ".join(
-        f"{method} {count / thousands:.1f} ({1000 * run.seconds[method] / count:.1f} ms)"
+        f"{method} {count / thousands:.1f} ({1000 * statistics.median(run.seconds[method]):.1f} ms)"
         for method, count in sorted(run.calls.items())
     )
     cores = {name: used / run.drain_seconds for name, used in run.cpu.items()}
     print(
         f"  genq N={run.batch}: drain {run.tasks:,} in {run.drain_seconds:.2f} s; RPCs per 1,000 "
-        f"tasks (mean ms a call): {calls}"
+        f"tasks (median ms a call, as the worker saw it): {calls}"
     )
     if cores:
         other = run.other_cores or 0.0
