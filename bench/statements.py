@@ -31,6 +31,13 @@ its session settings jit=off and the service's statement_timeout for all three):
    lease holds, closes the attempt and appends the terminal event. No gates, spend, limits,
    cooldowns or polls: an upper bound for the service line, not a design (planned like the
    service's transitions, with enable_seqscan off).
+5. rules: the service's own unpaid fast paths (claim_tasks_v1 steps A-E, complete_task_v1 steps
+   A-D) taken out of their functions, one plain statement each (RULES_SCRIPT below): the floor's
+   writes (without its two event rows: the attempt row carries both events), the day lock, the
+   gate read, the checks on the picked tasks' keys and groups, the poll note, the failure reset
+   of the key and the whole task in each answer. No PL/pgSQL, no fallback for the paths that
+   need it, no event JSON: an upper bound for the service line that keeps its rules, on the
+   floor's database (planned the same way).
 
 `--tasks` must exceed what the fastest line (the spec's) drains in warm-up + seconds: a claim that
 finds the queue empty makes pgbench abort its run (its gset gets no row), and the program stops.
@@ -138,6 +145,111 @@ SELECT id, last_event_seq, 'completed' FROM done;
 """
 """The floor line: the rows the service's claim + complete must write, and nothing else."""
 
+RULES_SCRIPT = """\\set t random(1, 4)
+WITH day_lock AS MATERIALIZED (SELECT pg_advisory_xact_lock_shared(1734700658)),
+gate AS MATERIALIZED (
+  SELECT COALESCE(tl.resource_key, tl.name) AS default_key,
+         COALESCE(tl.account_group, tl.name) AS default_group,
+         COALESCE(tl.lease_seconds, 120) AS lease, local.day AS today
+  FROM day_lock, generation.tools AS tl, generation.settings AS st,
+       generation.gates_v1(false, NULL::bigint) AS gt,
+       LATERAL (SELECT (now() AT TIME ZONE st.timezone)::date AS day) AS local
+  WHERE tl.id = ('00000000-0000-0000-0000-00000000000' || :t)::uuid AND gt.running
+    AND NOT tl.paused AND gt.cap > 0 AND tl.max_in_flight IS NULL AND tl.cost_estimate_nanos = 0
+    AND (tl.daily_cap_nanos IS NULL OR tl.daily_cap_nanos > 0)
+    AND (tl.spent_day IS DISTINCT FROM local.day OR tl.spent_nanos + tl.reserved_nanos = 0)
+    AND CASE WHEN st.granted_day = local.day THEN st.granted_nanos ELSE 0 END < gt.cap
+    AND NOT EXISTS (SELECT 1 FROM generation.resource_limits AS l
+                    WHERE l.resource_key = COALESCE(tl.resource_key, tl.name))
+    AND NOT EXISTS (SELECT 1 FROM generation.rate_limits AS r
+                    WHERE r.resource_key = COALESCE(tl.resource_key, tl.name))
+    AND NOT EXISTS (SELECT 1 FROM generation.cooldowns AS c
+                    WHERE c.resource_key = COALESCE(tl.resource_key, tl.name)
+                      AND c.cooling_until > now())
+    AND NOT EXISTS (SELECT 1 FROM generation.holds AS h
+                    WHERE h.account_group = COALESCE(tl.account_group, tl.name)
+                      AND h.held_until > now())),
+chosen AS MATERIALIZED (
+  SELECT q.id, COALESCE(q.cost_estimate_nanos, 0) AS estimate,
+         COALESCE(q.resource_key, gate.default_key) AS resource_key,
+         COALESCE(q.account_group, gate.default_group) AS account_group
+  FROM gate, generation.tasks AS q
+  WHERE q.tool_id = ('00000000-0000-0000-0000-00000000000' || :t)::uuid AND q.status = 'queued'
+    AND q.retry_count < q.max_retries AND q.run_at <= now()
+    AND (q.expires_at IS NULL OR q.expires_at > now())
+    AND (q.resource_key IS NULL OR NOT EXISTS (
+          SELECT 1 FROM generation.cooldowns AS c
+          WHERE c.resource_key = q.resource_key AND c.cooling_until > now()))
+    AND (q.account_group IS NULL OR NOT EXISTS (
+          SELECT 1 FROM generation.holds AS h
+          WHERE h.account_group = q.account_group AND h.held_until > now()))
+  ORDER BY q.reclaimed DESC, q.priority DESC, q.run_at LIMIT 1
+  FOR NO KEY UPDATE OF q SKIP LOCKED),
+free AS (
+  SELECT * FROM chosen
+  WHERE NOT EXISTS (
+    SELECT 1 FROM chosen AS o
+    WHERE o.estimate <> 0
+       OR EXISTS (SELECT 1 FROM generation.resource_limits AS l
+                  WHERE l.resource_key = o.resource_key)
+       OR EXISTS (SELECT 1 FROM generation.rate_limits AS r
+                  WHERE r.resource_key = o.resource_key))),
+started AS (
+  UPDATE generation.tasks AS t
+  SET status = 'processing', started_at = COALESCE(t.started_at, now()),
+      claim_expires_at = now() + interval '120 seconds', lease_token = gen_random_uuid(),
+      lease_confirmed = false, reclaimed = false, attempt_count = t.attempt_count + 1,
+      last_event_seq = t.last_event_seq + 1
+  FROM free WHERE t.id = free.id RETURNING t.*),
+attempt AS (
+  INSERT INTO generation.attempts
+    (task_id, attempt, lease_token, tool_id, resource_key, account_group, local_day,
+     estimate_nanos, started_seq)
+  SELECT started.id, started.attempt_count, started.lease_token, started.tool_id,
+         free.resource_key, free.account_group, gate.today, 0, started.last_event_seq
+  FROM gate, started JOIN free ON free.id = started.id),
+poll AS (
+  INSERT INTO generation.tool_polls AS p (tool_id, polled_at)
+  SELECT ('00000000-0000-0000-0000-00000000000' || :t)::uuid, now()
+  WHERE NOT EXISTS (SELECT 1 FROM generation.tool_polls AS x
+                    WHERE x.tool_id = ('00000000-0000-0000-0000-00000000000' || :t)::uuid
+                      AND x.polled_at > now() - interval '5 seconds')
+  ON CONFLICT (tool_id) DO UPDATE SET polled_at = EXCLUDED.polled_at)
+SELECT started.* FROM started
+\\gset c_
+WITH ended AS (
+  UPDATE generation.tasks AS q
+  SET status = CASE WHEN q.cancel_requested_at IS NULL THEN 'completed'
+                    ELSE 'cancelled' END::generation.task_status,
+      output = CASE WHEN q.cancel_requested_at IS NULL THEN '{"ok": true}'::jsonb END,
+      reported_usage = '{"token_amount": 1}', completed_at = now(), claim_expires_at = NULL,
+      error = CASE WHEN q.cancel_requested_at IS NULL THEN NULL ELSE 'cancelled' END,
+      lease_token = NULL, lease_confirmed = false, last_event_seq = q.last_event_seq + 1
+  WHERE q.id = :c_id AND q.status = 'processing' AND q.lease_token = :c_lease_token
+    AND q.claim_expires_at > now()
+    AND EXISTS (SELECT 1 FROM generation.attempts AS x
+                WHERE x.task_id = :c_id AND x.lease_token = :c_lease_token
+                  AND x.outcome = 'running' AND x.estimate_nanos = 0)
+  RETURNING q.*),
+closed AS (
+  UPDATE generation.attempts AS r
+  SET outcome = ended.status::text::generation.attempt_outcome, ended_at = now(),
+      ended_seq = ended.last_event_seq
+  FROM ended
+  WHERE r.task_id = :c_id AND r.lease_token = :c_lease_token AND r.outcome = 'running'
+  RETURNING r.task_id, r.resource_key),
+event AS (
+  INSERT INTO generation.task_events (task_id, sequence, kind, data)
+  SELECT ended.id, ended.last_event_seq, ended.status::text::generation.task_event_kind, '{}'
+  FROM ended WHERE NOT EXISTS (SELECT 1 FROM closed)),
+reset AS (
+  UPDATE generation.cooldowns AS c SET consecutive_failures = 0
+  FROM closed WHERE c.resource_key = closed.resource_key AND c.consecutive_failures > 0)
+SELECT true AS task_found, ended.* FROM ended;
+"""
+"""The rules line: the service's unpaid fast paths with every rule they apply, each one plain
+statement (what the service's functions run for a free tool's task, without PL/pgSQL)."""
+
 
 def spec_database_loaded(url: str, tasks: int) -> None:
     """Seed A's schema with the 4 tools, then the queue loaded as `load_queue` loads the
@@ -216,6 +328,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         show(results["floor"], args.clients)
 
+        load_queue(service_url, args.tasks)
+        results["rules"] = run_pgbench(
+            unpaid, service_url, settings, (RULES_SCRIPT, []), name="rules"
+        )
+        show(results["rules"], args.clients)
+
     spec = results["spec"].tasks_per_second
     if not spec:
         print("spec line measured nothing")
@@ -226,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ratio {label} / spec: {ratio:.2f} (bar >= {BAR} x: {verdict})")
     floor = results["floor"].tasks_per_second / spec
     print(f"ratio floor / spec: {floor:.2f} (the most the service line could reach)")
+    rules = results["rules"].tasks_per_second / spec
+    print(f"ratio rules / spec: {rules:.2f} (the most it could reach keeping its rules)")
     return 0
 
 
