@@ -818,6 +818,17 @@ def notes(runs: list[Run], inspected: bool) -> None:
             print(f"    warning: others used {other:.2f} core during the drain (disturbed)")
 
 
+def cycle_bound(run: Run, workers: int) -> float | None:
+    """genq's drain at most, from its own calls: each worker's N lanes claim, then confirm the
+    claim, before any handler runs, so one claim of N is in flight a worker and a cycle lasts at
+    least the median claim plus the median ConfirmClaim (the reports overlap the next claim)."""
+    claim = run.seconds.get("ClaimTasks") or run.seconds.get("ClaimNextTask")
+    confirm = run.seconds.get("ConfirmClaim")
+    if not claim or not confirm:
+        return None
+    return workers * run.batch / (statistics.median(claim) + statistics.median(confirm))
+
+
 def genq_detail(run: Run) -> None:
     thousands = run.tasks / 1000
     calls = ", ".join(
@@ -888,6 +899,13 @@ def compare(args: argparse.Namespace, wal: WalMeter) -> None:
             f"µs/task so held: workers {number(limited.micros('workers'))}, Postgres "
             f"{number(limited.micros('postgres'))}"
         )
+    for peer, run in zip(peers, ours, strict=True):
+        if (bound := cycle_bound(run, args.workers)) is not None:
+            print(
+                f"N={run.batch}: genq's cycle (claim, then its ConfirmClaim, before a handler "
+                f"runs) bounds it at {args.workers} x {run.batch} / (median claim + median "
+                f"confirm) = {bound:,.0f} tasks/s: {bound / peer.per_second:.2f}{TIMES} PGQueuer"
+            )
     notes([run for pair in zip(peers, ours, strict=True) for run in pair], wal.inspect)
 
 
