@@ -819,14 +819,17 @@ def notes(runs: list[Run], inspected: bool) -> None:
 
 
 def cycle_bound(run: Run, workers: int) -> float | None:
-    """genq's drain at most, from its own calls: each worker's N lanes claim, then confirm the
-    claim, before any handler runs, so one claim of N is in flight a worker and a cycle lasts at
-    least the median claim plus the median ConfirmClaim (the reports overlap the next claim)."""
-    claim = run.seconds.get("ClaimTasks") or run.seconds.get("ClaimNextTask")
-    confirm = run.seconds.get("ConfirmClaim")
-    if not claim or not confirm:
+    """genq's drain at most, estimated from its own calls: a lane (one tool, N slots) claims for
+    its free slots, then confirms the claim, before any handler runs, and claims again only once
+    they free; the reports overlap the next claim. So a worker has one claim in flight and a
+    cycle lasts about the median claim plus the median ConfirmClaim, for the tasks a claim took
+    on average."""
+    method = "ClaimTasks" if run.seconds.get("ClaimTasks") else "ClaimNextTask"
+    claim, confirm = run.seconds.get(method), run.seconds.get("ConfirmClaim")
+    if not claim or not confirm or not run.calls[method]:
         return None
-    return workers * run.batch / (statistics.median(claim) + statistics.median(confirm))
+    per_claim = run.tasks / run.calls[method]
+    return workers * per_claim / (statistics.median(claim) + statistics.median(confirm))
 
 
 def genq_detail(run: Run) -> None:
@@ -903,8 +906,10 @@ def compare(args: argparse.Namespace, wal: WalMeter) -> None:
         if (bound := cycle_bound(run, args.workers)) is not None:
             print(
                 f"N={run.batch}: genq's cycle (claim, then its ConfirmClaim, before a handler "
-                f"runs) bounds it at {args.workers} x {run.batch} / (median claim + median "
-                f"confirm) = {bound:,.0f} tasks/s: {bound / peer.per_second:.2f}{TIMES} PGQueuer"
+                f"runs) bounds it at about {args.workers} worker(s) x tasks a claim / (median "
+                f"claim + median confirm) = {bound:,.0f} tasks/s: "
+                f"{bound / peer.per_second:.2f}{TIMES} PGQueuer; genq drained "
+                f"{run.per_second / bound:.0%} of it"
             )
     notes([run for pair in zip(peers, ours, strict=True) for run in pair], wal.inspect)
 

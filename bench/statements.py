@@ -30,14 +30,14 @@ its session settings jit=off and the service's statement_timeout for all three):
    its run, opens its attempt and appends the `started` event; the complete ends the run if the
    lease holds, closes the attempt and appends the terminal event. No gates, spend, limits,
    cooldowns or polls: an upper bound for the service line, not a design (planned like the
-   service's transitions, with enable_seqscan off).
+   service's transitions: enable_seqscan off, generic plans).
 5. rules: the service's own unpaid fast paths (claim_tasks_v1 steps A-E, complete_task_v1 steps
    A-D) taken out of their functions, one plain statement each (RULES_SCRIPT below): the floor's
    writes (without its two event rows: the attempt row carries both events), the day lock, the
    gate read, the checks on the picked tasks' keys and groups, the poll note, the failure reset
    of the key and the whole task in each answer. No PL/pgSQL, no fallback for the paths that
-   need it, no event JSON: an upper bound for the service line that keeps its rules, on the
-   floor's database (planned the same way).
+   need it, no event JSON, the lock, poll note and reset folded into the two statements: an
+   upper bound for the service line that keeps its rules (planned like the floor).
 
 `--tasks` must exceed what the fastest line (the spec's) drains in warm-up + seconds: a claim that
 finds the queue empty makes pgbench abort its run (its gset gets no row), and the program stops.
@@ -57,6 +57,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import psycopg
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script: the project's packages, not an installed copy
@@ -172,7 +174,7 @@ gate AS MATERIALIZED (
                     WHERE h.account_group = COALESCE(tl.account_group, tl.name)
                       AND h.held_until > now())),
 chosen AS MATERIALIZED (
-  SELECT q.id, COALESCE(q.cost_estimate_nanos, 0) AS estimate,
+  SELECT q.id, q.reclaimed, q.priority, q.run_at, COALESCE(q.cost_estimate_nanos, 0) AS estimate,
          COALESCE(q.resource_key, gate.default_key) AS resource_key,
          COALESCE(q.account_group, gate.default_group) AS account_group
   FROM gate, generation.tasks AS q
@@ -199,10 +201,10 @@ free AS (
 started AS (
   UPDATE generation.tasks AS t
   SET status = 'processing', started_at = COALESCE(t.started_at, now()),
-      claim_expires_at = now() + interval '120 seconds', lease_token = gen_random_uuid(),
-      lease_confirmed = false, reclaimed = false, attempt_count = t.attempt_count + 1,
-      last_event_seq = t.last_event_seq + 1
-  FROM free WHERE t.id = free.id RETURNING t.*),
+      claim_expires_at = now() + make_interval(secs => gate.lease),
+      lease_token = gen_random_uuid(), lease_confirmed = false, reclaimed = false,
+      attempt_count = t.attempt_count + 1, last_event_seq = t.last_event_seq + 1
+  FROM gate WHERE t.id = ANY (ARRAY(SELECT free.id FROM free)) RETURNING t.*),
 attempt AS (
   INSERT INTO generation.attempts
     (task_id, attempt, lease_token, tool_id, resource_key, account_group, local_day,
@@ -213,18 +215,20 @@ attempt AS (
 poll AS (
   INSERT INTO generation.tool_polls AS p (tool_id, polled_at)
   SELECT ('00000000-0000-0000-0000-00000000000' || :t)::uuid, now()
-  WHERE NOT EXISTS (SELECT 1 FROM generation.tool_polls AS x
+  WHERE EXISTS (SELECT 1 FROM started) AND NOT EXISTS (SELECT 1 FROM generation.tool_polls AS x
                     WHERE x.tool_id = ('00000000-0000-0000-0000-00000000000' || :t)::uuid
                       AND x.polled_at > now() - interval '5 seconds')
   ON CONFLICT (tool_id) DO UPDATE SET polled_at = EXCLUDED.polled_at)
-SELECT started.* FROM started
+SELECT started.*, gate.lease FROM gate, started JOIN free ON free.id = started.id
+ORDER BY free.reclaimed DESC, free.priority DESC, free.run_at
 \\gset c_
 WITH ended AS (
   UPDATE generation.tasks AS q
   SET status = CASE WHEN q.cancel_requested_at IS NULL THEN 'completed'
                     ELSE 'cancelled' END::generation.task_status,
       output = CASE WHEN q.cancel_requested_at IS NULL THEN '{"ok": true}'::jsonb END,
-      reported_usage = '{"token_amount": 1}', completed_at = now(), claim_expires_at = NULL,
+      reported_usage = '{"token_amount": 1, "cost_nanos": 0, "details": {}}',
+      completed_at = now(), claim_expires_at = NULL,
       error = CASE WHEN q.cancel_requested_at IS NULL THEN NULL ELSE 'cancelled' END,
       lease_token = NULL, lease_confirmed = false, last_event_seq = q.last_event_seq + 1
   WHERE q.id = :c_id AND q.status = 'processing' AND q.lease_token = :c_lease_token
@@ -235,22 +239,30 @@ WITH ended AS (
   RETURNING q.*),
 closed AS (
   UPDATE generation.attempts AS r
-  SET outcome = ended.status::text::generation.attempt_outcome, ended_at = now(),
+  SET outcome = ended.status::text::generation.attempt_outcome,
+      resource_key = COALESCE(NULL::text, r.resource_key), ended_at = now(),
       ended_seq = ended.last_event_seq
   FROM ended
   WHERE r.task_id = :c_id AND r.lease_token = :c_lease_token AND r.outcome = 'running'
-  RETURNING r.task_id, r.resource_key),
+  RETURNING r.task_id, r.resource_key, r.outcome),
 event AS (
   INSERT INTO generation.task_events (task_id, sequence, kind, data)
   SELECT ended.id, ended.last_event_seq, ended.status::text::generation.task_event_kind, '{}'
   FROM ended WHERE NOT EXISTS (SELECT 1 FROM closed)),
 reset AS (
   UPDATE generation.cooldowns AS c SET consecutive_failures = 0
-  FROM closed WHERE c.resource_key = closed.resource_key AND c.consecutive_failures > 0)
+  FROM closed
+  WHERE closed.outcome = 'completed' AND c.resource_key = closed.resource_key
+    AND c.consecutive_failures > 0)
 SELECT true AS task_found, ended.* FROM ended;
 """
 """The rules line: the service's unpaid fast paths with every rule they apply, each one plain
-statement (what the service's functions run for a free tool's task, without PL/pgSQL)."""
+statement (what the service's functions run for a free tool's task, without PL/pgSQL). A copy of
+claim_tasks_v1's steps A-E and complete_task_v1's A-D: a change to either belongs here too.
+Where it differs, it is cheaper: the day lock and the poll note are CTEs of the claim, not
+statements before and after it (so the lock guards no read here), and the key's failure reset
+is a CTE of the completion, reading the key its attempt closed with, not a statement of its
+own that sees failures committed while the completion waited."""
 
 
 def spec_database_loaded(url: str, tasks: int) -> None:
@@ -266,17 +278,30 @@ def spec_database_loaded(url: str, tasks: int) -> None:
     load_queue(url, tasks)
 
 
+PLANNED_LIKE_THE_FUNCTIONS = {"enable_seqscan": "off", "plan_cache_mode": "force_generic_plan"}
+"""The `SET` clauses of the service's transitions (jit is off in every bench session already)."""
+
+
 @contextmanager
 def planned_like_the_functions(url: str) -> Iterator[None]:
-    """Plain statements on the service's database planned as its functions are (their
-    `SET enable_seqscan = off`), for the sessions a line opens; reset after it."""
+    """Plain statements on the service's database planned as its functions are
+    (PLANNED_LIKE_THE_FUNCTIONS), for the sessions a line opens; reset after it."""
+    database = sql.Identifier(str(conninfo_to_dict(url)["dbname"]))
     with psycopg.connect(url, autocommit=True) as connection:
-        name = connection.info.dbname
-    execute(url, f'ALTER DATABASE "{name}" SET enable_seqscan = off')
+        for name, value in PLANNED_LIKE_THE_FUNCTIONS.items():
+            connection.execute(
+                sql.SQL("ALTER DATABASE {} SET {} = {}").format(
+                    database, sql.Identifier(name), sql.Literal(value)
+                )
+            )
     try:
         yield
     finally:
-        execute(url, f'ALTER DATABASE "{name}" RESET enable_seqscan')
+        with psycopg.connect(url, autocommit=True) as connection:
+            for name in PLANNED_LIKE_THE_FUNCTIONS:
+                connection.execute(
+                    sql.SQL("ALTER DATABASE {} RESET {}").format(database, sql.Identifier(name))
+                )
 
 
 def show(result: Result, clients: int) -> None:
