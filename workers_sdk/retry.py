@@ -8,14 +8,16 @@ A failure `retry_on` accepts is followed by a pause, then the call again: the fi
 raised instead when `retry_on` refuses it, when the policy's `attempts` are spent, when the
 pause would end at or past `deadline` (loop time; a callable is asked at each failure, so a
 deadline brought closer meanwhile counts), or once `stop` is set (it also cuts a pause short).
+Calls that one failure ended (the items of a batch, each awaiting its own `retry`) pause until the
+same moment, so that they try again in the same loop turn and leave in one batch again.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import math
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -78,11 +80,40 @@ async def retry(
             failure = error
         if on_retry is not None:
             on_retry(failure, tries, pause)
-        if stop is None:
-            await asyncio.sleep(pause)
-        else:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), pause)
-            if stop.is_set():
-                raise failure
+        await _pause_until(_wake(failure, pause, loop), stop)
+        if stop is not None and stop.is_set():
+            raise failure
         pause = min(pause * policy.multiplier, policy.max_delay)
+
+
+_WAKES: weakref.WeakKeyDictionary[BaseException, dict[float, float]] = weakref.WeakKeyDictionary()
+"""When the calls one failure ended try again, by pause. A batch's items share its failure: they
+wake at the same loop time and leave together again, where pauses begun microseconds apart would
+end in different loop turns and split the batch."""
+
+
+def _wake(failure: BaseException, pause: float, loop: asyncio.AbstractEventLoop) -> float:
+    return _WAKES.setdefault(failure, {}).setdefault(pause, loop.time() + pause)
+
+
+async def _pause_until(when: float, stop: asyncio.Event | None) -> None:
+    """Sleeps until loop time `when`, or until `stop` is set."""
+    loop = asyncio.get_running_loop()
+    woken: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not woken.done():
+            woken.set_result(None)
+
+    timer = loop.call_at(when, wake)
+    try:
+        if stop is None:
+            await woken
+            return
+        stopping = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait((woken, stopping), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+    finally:
+        timer.cancel()
