@@ -31,7 +31,8 @@ current turn, with every call made in that turn (the handlers of one claim that 
 report together), and waits for no company beyond it; `report_delay` (0 by default) makes it wait
 that long for more. It leaves at once when it is full (1,000 items, or about 2 MiB of requests). A
 batch that fails UNAVAILABLE fails each of its items, and each report is tried again on its own
-policy (so the retries batch again): that is safe, since the service answers a report repeated under
+policy, its pause ending at the same moment as those of the batch's other items (so the retries
+batch again): that is safe, since the service answers a report repeated under
 the same lease the same. A batch the service refuses as a whole (INVALID_ARGUMENT or
 RESOURCE_EXHAUSTED: one item's output too large, say) is sent again item by item, so that each
 report hears its own answer. A batch of one is the single RPC (HeartbeatTask, CompleteTask,
