@@ -93,7 +93,13 @@ end in different loop turns and split the batch."""
 
 
 def _wake(failure: BaseException, pause: float, loop: asyncio.AbstractEventLoop) -> float:
-    return _WAKES.setdefault(failure, {}).setdefault(pause, loop.time() + pause)
+    wakes = _WAKES.setdefault(failure, {})
+    now = loop.time()
+    if wakes.get(pause, -math.inf) <= now:
+        # First to pause for this failure, or one raised again after its wake passed: a pause
+        # of its own, never none.
+        wakes[pause] = now + pause
+    return wakes[pause]
 
 
 async def _pause_until(when: float, stop: asyncio.Event | None) -> None:

@@ -5,6 +5,7 @@ by the end of a loop turn)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Awaitable, Callable
 
@@ -69,3 +70,23 @@ def test_a_set_stop_cuts_the_pause_short_and_raises_the_failure() -> None:
         raise AssertionError("retry returned")
 
     assert asyncio.run(main()) < 5
+
+
+def test_an_error_raised_again_after_its_pause_still_pauses() -> None:
+    """A call that raises one and the same exception object each time pauses every time."""
+    again = Unavailable("the same object")
+    tries: list[float] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+
+        async def failing() -> None:
+            tries.append(loop.time())
+            if len(tries) < 4:
+                raise again
+
+        await retry(Policy("steady", first=0.02, multiplier=1), failing, retry_on=lambda e: True)
+
+    asyncio.run(main())
+    gaps = [later - earlier for earlier, later in itertools.pairwise(tries)]
+    assert len(gaps) == 3 and min(gaps) >= 0.015, gaps
