@@ -51,7 +51,8 @@ def test_calls_one_failure_ended_try_again_in_the_same_loop_turn() -> None:
         await asyncio.sleep(0)
 
     asyncio.run(main())
-    assert events[:2] == ["first tries again", "second tries again"], events
+    # Either may go first (their timers are due at the same moment), but both before the turn.
+    assert sorted(events[:2]) == ["first tries again", "second tries again"], events
 
 
 def test_a_set_stop_cuts_the_pause_short_and_raises_the_failure() -> None:
