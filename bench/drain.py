@@ -38,9 +38,9 @@ Durability: synchronous_commit = on for both (set on each database, read back fr
 own connections and printed); every table of both sides is asserted logged (relpersistence p).
 
 Printed, per N and side (a Markdown table), then the ratios genq / PGQueuer against the bars
-(drain >= 1x, WAL <= 1x, enqueue >= 1x):
+(drain >= 1x, WAL <= 1x; the enqueue ratio plain, its bar's line is below):
 
-- enqueue tasks/s and drain tasks/s;
+- enqueue tasks/s (the one enqueue before that drain) and drain tasks/s;
 - WAL bytes per task, enqueue to done: the enqueue's and the drain's windows (`pg_current_wal_
   lsn()` before and after; the ANALYZE between them, as autovacuum would run it, is outside).
   WAL is the cluster's: with `pg_walinspect` (created in a database of the bench's own) each
@@ -56,6 +56,13 @@ Printed, per N and side (a Markdown table), then the ratios genq / PGQueuer agai
   polling connection left out; the server's background processes, WAL writer and checkpointer,
   are shared and left out too). `other` is the rest of the machine: a run with other above 0.25
   core is flagged as disturbed.
+- enqueue, the bar's line: after the drains, `--enqueue-rounds` (5) enqueues of `--tasks` on each
+  side, alternating (PGQueuer's `Queries.enqueue` of 1,000 a call and genq's `enqueue_many` as
+  above; PGQueuer first in the odd rounds, genq in the even ones), each from a fresh process of
+  its own into an emptied queue, right after VACUUM ANALYZE and a CHECKPOINT as before a drain:
+  the median of each side's rounds, their ratio, and each round's two rates. One enqueue lasts
+  a fraction of a second, and the machine's speed drifts more than that between the drains' own
+  enqueues, PGQueuer's taken a minute before genq's.
 
 Paid vs unpaid (issue 9, bar "paid drain >= 0.7 x unpaid drain"):
 
@@ -779,7 +786,7 @@ def table(pairs: list[tuple[Run, Run]]) -> None:
             )
         print(
             f"| {ours.batch} | genq / PGQueuer "
-            f"| {verdict(ours.enqueue_per_second / peer.enqueue_per_second, ENQUEUE_BAR, True)} "
+            f"| {ours.enqueue_per_second / peer.enqueue_per_second:.2f}{TIMES} "
             f"| {verdict(ours.per_second / peer.per_second, DRAIN_BAR, True)} "
             f"| {verdict(ours.wal.bytes / peer.wal.bytes, WAL_BAR, False)} | | | |"
         )
@@ -892,6 +899,7 @@ def compare(args: argparse.Namespace, wal: WalMeter) -> None:
             run = unhit(partial(genq_run, args, genq, batch, wal))
             ours.append(run)
             genq_detail(run)
+        rounds = enqueue_rounds(args, genq)
     if args.hop:
         print("the genq lines below are the hop's (bench/hop.py), not the service's:")
     table(list(zip(peers, ours, strict=True)))
@@ -911,7 +919,98 @@ def compare(args: argparse.Namespace, wal: WalMeter) -> None:
                 f"{bound / peer.per_second:.2f}{TIMES} PGQueuer; genq drained "
                 f"{run.per_second / bound:.0%} of it"
             )
+    print_enqueue_rounds(rounds)
     notes([run for pair in zip(peers, ours, strict=True) for run in pair], wal.inspect)
+
+
+# --- enqueue, side by side ----------------------------------------------------------------------
+
+
+def enqueue_process(
+    side: str, target: str, tool: str, tasks: int, flight: int, pipe: Connection
+) -> None:
+    """One side's enqueue of `tasks` in a process of its own, timed from "go" (its imports and
+    connection made before "ready"); sends tasks/s. PGQueuer (`target` its database's URL):
+    `Queries.enqueue` of 1,000 a call, one call at a time, as its side of the drain enqueues.
+    genq (`target` the service's address, `tool` the tool's id): `enqueue()` as above, `flight`
+    calls in flight (0: the SDK's default)."""
+
+    async def pgqueuer_side() -> float:
+        import asyncpg
+        from pgqueuer.db import AsyncpgDriver
+        from pgqueuer.queries import Queries
+
+        connection = await asyncpg.connect(target)
+        queries = Queries(AsyncpgDriver(connection))
+        pipe.send("ready")
+        await asyncio.to_thread(pipe.recv)  # "go"
+        begun = time.perf_counter()
+        for first in range(0, tasks, ENQUEUE_CALL):
+            n = min(ENQUEUE_CALL, tasks - first)
+            await queries.enqueue([TOOL] * n, [None] * n, [0] * n)
+        rate = tasks / (time.perf_counter() - begun)
+        await connection.close()
+        return rate
+
+    async def genq_side() -> float:
+        pipe.send("ready")
+        await asyncio.to_thread(pipe.recv)  # "go"
+        return await enqueue(target, tool, tasks, flight or None)
+
+    pipe.send(asyncio.run(pgqueuer_side() if side == "PGQueuer" else genq_side()))
+
+
+def enqueue_rounds(args: argparse.Namespace, genq: Genq) -> list[tuple[float, float]]:
+    """`args.enqueue_rounds` enqueues of `args.tasks` on each side, alternating (PGQueuer first
+    in the odd rounds, genq in the even ones), each from a process of its own into an emptied
+    queue right after a CHECKPOINT, so both sides meet the machine as it is at the moment.
+    (PGQueuer, genq) tasks/s per round."""
+    rates: list[tuple[float, float]] = []
+    if args.enqueue_rounds <= 0:
+        return rates
+    spawn = multiprocessing.get_context("spawn")
+    flight = args.enqueue_concurrency or 0
+    with database("pgq_bench") as url:
+        env = {**os.environ, "PGDSN": url, "PGQ_DSN": url}
+        install = [str(Path(sys.executable).parent / "pgq"), "install", "--durability", "durable"]
+        subprocess.run(install, env=env, check=True, capture_output=True)
+        assert_durable(url, "pgqueuer", "public")
+        sides = (
+            ("PGQueuer", url, "", url, "TRUNCATE pgqueuer"),
+            ("genq", genq.service.address, genq.tool_id, genq.url, genq.empty),
+        )
+        for number in range(args.enqueue_rounds):
+            rate: dict[str, float] = {}
+            # Each round's first side alternates, so neither always meets what the other left.
+            for side, target, tool, database_url, empty in sides[:: 1 if number % 2 == 0 else -1]:
+                ours, theirs = spawn.Pipe()
+                process = spawn.Process(
+                    target=enqueue_process, args=(side, target, tool, args.tasks, flight, theirs)
+                )
+                process.start()
+                try:
+                    assert started([ours], f"{side}'s enqueue process") == ["ready"]
+                    execute(database_url, empty, "VACUUM ANALYZE", "CHECKPOINT")
+                    ours.send("go")
+                    (rate[side],) = started([ours], f"{side}'s enqueue")
+                finally:
+                    stop([process])
+            rates.append((rate["PGQueuer"], rate["genq"]))
+    return rates
+
+
+def print_enqueue_rounds(rates: list[tuple[float, float]]) -> None:
+    """The enqueue bar's line: the median of each side's rounds, and their ratio."""
+    if not rates:
+        return
+    peer = statistics.median(rate for rate, _ in rates)
+    ours = statistics.median(rate for _, rate in rates)
+    print(
+        f"enqueue, {len(rates)} rounds of {ENQUEUE_CALL:,} a call, alternating (the bar's line; "
+        f"the table's enqueue is one round each): PGQueuer {peer:,.0f}/s, genq {ours:,.0f}/s "
+        f"(medians): {verdict(ours / peer, ENQUEUE_BAR, True)}; rounds (PGQueuer / genq, "
+        "tasks/s): " + ", ".join(f"{of:,.0f} / {rate:,.0f}" for of, rate in rates)
+    )
 
 
 # --- paid ---------------------------------------------------------------------------------------
@@ -991,6 +1090,13 @@ def main() -> None:
         type=int,
         default=None,
         help=f"genq QueueTasks calls in flight (the SDK's default, {ENQUEUE_CONCURRENCY})",
+    )
+    parser.add_argument(
+        "--enqueue-rounds",
+        type=int,
+        default=5,
+        help="alternating enqueues of --tasks on each side after the drains, for the enqueue "
+        "bar (5; 0: none)",
     )
     parser.add_argument("--timeout", type=float, default=300, help="longest drain, seconds")
     parser.add_argument("--service-env", action="append", default=[], metavar="NAME=VALUE")
