@@ -59,7 +59,8 @@ Printed, per N and side (a Markdown table), then the ratios genq / PGQueuer agai
 - enqueue, the bar's line: after the drains, `--enqueue-rounds` (5) enqueues of `--tasks` on each
   side, alternating (PGQueuer's `Queries.enqueue` of 1,000 a call and genq's `enqueue_many` as
   above; PGQueuer first in the odd rounds, genq in the even ones), each from a fresh process of
-  its own into an emptied queue, right after VACUUM ANALYZE and a CHECKPOINT as before a drain:
+  its own (connected and warmed by two enqueues of 10 before the clock starts) into an emptied
+  queue (PGQueuer's jobs and log), right after VACUUM ANALYZE and a CHECKPOINT as before a drain:
   the median of each side's rounds, their ratio, and each round's two rates. One enqueue lasts
   a fraction of a second, and the machine's speed drifts more than that between the drains' own
   enqueues, PGQueuer's taken a minute before genq's.
@@ -625,12 +626,18 @@ async def enqueue(address: str, tool_id: str, tasks: int, concurrency: int | Non
     """Enqueues `tasks` no-op tasks with enqueue_many (`concurrency` calls in flight; None: its
     default); returns tasks/s."""
     async with GenqClient(address, timeout=60) as client:
-        gateway = GatewayClient(client)
-        items: list[dict[str, Any]] = [{} for _ in range(tasks)]
-        begun = time.perf_counter()
-        options = {} if concurrency is None else {"concurrency": concurrency}
-        queued = await gateway.enqueue_many(tool_id, items, **options)
-        seconds = time.perf_counter() - begun
+        return await timed_enqueue(GatewayClient(client), tool_id, tasks, concurrency)
+
+
+async def timed_enqueue(
+    gateway: GatewayClient, tool_id: str, tasks: int, concurrency: int | None
+) -> float:
+    """`enqueue()` on a gateway already connected: tasks/s of its enqueue_many alone."""
+    items: list[dict[str, Any]] = [{} for _ in range(tasks)]
+    options = {} if concurrency is None else {"concurrency": concurrency}
+    begun = time.perf_counter()
+    queued = await gateway.enqueue_many(tool_id, items, **options)
+    seconds = time.perf_counter() - begun
     assert len(queued.tasks) == tasks, (len(queued.tasks), queued.skipped)
     return tasks / seconds
 
@@ -926,14 +933,20 @@ def compare(args: argparse.Namespace, wal: WalMeter) -> None:
 # --- enqueue, side by side ----------------------------------------------------------------------
 
 
+WARM_ENQUEUES = 2
+"""Small enqueues (10 items) each side's enqueue process makes before "ready": its connections
+open, its statements prepare and the backends' caches warm (genq's client has two channels,
+one enqueue call on each) before the timed enqueue; the queue is emptied after them."""
+
+
 def enqueue_process(
-    side: str, target: str, tool: str, tasks: int, flight: int, pipe: Connection
+    side: str, target: str, tool: str, tasks: int, flight: int | None, pipe: Connection
 ) -> None:
-    """One side's enqueue of `tasks` in a process of its own, timed from "go" (its imports and
-    connection made before "ready"); sends tasks/s. PGQueuer (`target` its database's URL):
-    `Queries.enqueue` of 1,000 a call, one call at a time, as its side of the drain enqueues.
-    genq (`target` the service's address, `tool` the tool's id): `enqueue()` as above, `flight`
-    calls in flight (0: the SDK's default)."""
+    """One side's enqueue of `tasks` in a process of its own, timed from "go" (its imports,
+    connections and WARM_ENQUEUES before "ready"); sends tasks/s. PGQueuer (`target` its
+    database's URL): `Queries.enqueue` of 1,000 a call, one call at a time, as its side of the
+    drain enqueues. genq (`target` the service's address, `tool` the tool's id):
+    `timed_enqueue` with `flight` calls in flight (None: the SDK's default), as `enqueue()`."""
 
     async def pgqueuer_side() -> float:
         import asyncpg
@@ -942,6 +955,8 @@ def enqueue_process(
 
         connection = await asyncpg.connect(target)
         queries = Queries(AsyncpgDriver(connection))
+        for _ in range(WARM_ENQUEUES):
+            await queries.enqueue([TOOL] * 10, [None] * 10, [0] * 10)
         pipe.send("ready")
         await asyncio.to_thread(pipe.recv)  # "go"
         begun = time.perf_counter()
@@ -953,9 +968,13 @@ def enqueue_process(
         return rate
 
     async def genq_side() -> float:
-        pipe.send("ready")
-        await asyncio.to_thread(pipe.recv)  # "go"
-        return await enqueue(target, tool, tasks, flight or None)
+        async with GenqClient(target, timeout=60) as client:
+            gateway = GatewayClient(client)
+            for _ in range(WARM_ENQUEUES):
+                await gateway.enqueue_many(tool, [{}] * 10)
+            pipe.send("ready")
+            await asyncio.to_thread(pipe.recv)  # "go"
+            return await timed_enqueue(gateway, tool, tasks, flight)
 
     pipe.send(asyncio.run(pgqueuer_side() if side == "PGQueuer" else genq_side()))
 
@@ -963,31 +982,32 @@ def enqueue_process(
 def enqueue_rounds(args: argparse.Namespace, genq: Genq) -> list[tuple[float, float]]:
     """`args.enqueue_rounds` enqueues of `args.tasks` on each side, alternating (PGQueuer first
     in the odd rounds, genq in the even ones), each from a process of its own into an emptied
-    queue right after a CHECKPOINT, so both sides meet the machine as it is at the moment.
-    (PGQueuer, genq) tasks/s per round."""
+    queue (PGQueuer's jobs and log, genq's tables) right after a CHECKPOINT, so both sides meet
+    the machine as it is at the moment. (PGQueuer, genq) tasks/s per round."""
     rates: list[tuple[float, float]] = []
     if args.enqueue_rounds <= 0:
         return rates
     spawn = multiprocessing.get_context("spawn")
-    flight = args.enqueue_concurrency or 0
     with database("pgq_bench") as url:
         env = {**os.environ, "PGDSN": url, "PGQ_DSN": url}
         install = [str(Path(sys.executable).parent / "pgq"), "install", "--durability", "durable"]
         subprocess.run(install, env=env, check=True, capture_output=True)
         assert_durable(url, "pgqueuer", "public")
         sides = (
-            ("PGQueuer", url, "", url, "TRUNCATE pgqueuer"),
+            ("PGQueuer", url, "", url, "TRUNCATE pgqueuer, pgqueuer_log"),
             ("genq", genq.service.address, genq.tool_id, genq.url, genq.empty),
         )
-        for number in range(args.enqueue_rounds):
+        for each_round in range(args.enqueue_rounds):
             rate: dict[str, float] = {}
             # Each round's first side alternates, so neither always meets what the other left.
-            for side, target, tool, database_url, empty in sides[:: 1 if number % 2 == 0 else -1]:
+            for side, target, tool, database_url, empty in sides[:: -1 if each_round % 2 else 1]:
                 ours, theirs = spawn.Pipe()
                 process = spawn.Process(
-                    target=enqueue_process, args=(side, target, tool, args.tasks, flight, theirs)
+                    target=enqueue_process,
+                    args=(side, target, tool, args.tasks, args.enqueue_concurrency, theirs),
                 )
                 process.start()
+                theirs.close()  # the child's end: a child that dies closes the pipe
                 try:
                     assert started([ours], f"{side}'s enqueue process") == ["ready"]
                     execute(database_url, empty, "VACUUM ANALYZE", "CHECKPOINT")
@@ -995,6 +1015,7 @@ def enqueue_rounds(args: argparse.Namespace, genq: Genq) -> list[tuple[float, fl
                     (rate[side],) = started([ours], f"{side}'s enqueue")
                 finally:
                     stop([process])
+                    ours.close()
             rates.append((rate["PGQueuer"], rate["genq"]))
     return rates
 
