@@ -65,6 +65,18 @@ Printed, per N and side (a Markdown table), then the ratios genq / PGQueuer agai
   a fraction of a second, and the machine's speed drifts more than that between the drains' own
   enqueues, PGQueuer's taken a minute before genq's.
 
+What bounds genq's side, after the table (the drain bar's reasons, measured in the same run):
+
+- the cycle: a lane claims for its free slots, then confirms the claim, before any handler runs,
+  so a worker drains at most the tasks a claim took / (median claim + median confirm);
+- the cores: genq's CPU a task (service + workers + Postgres) times PGQueuer's drain rate, the
+  cores genq would need to keep PGQueuer's pace, against the machine's;
+- the ceiling (`--no-ceiling` skips it): for each N one more drain of the same tasks by a bench
+  loop that drives the service with PGQueuer's protocol instead of the SDK's (ClaimTasks of N
+  back to back, each claim's tasks completed at once in one CompleteTasks sent without waiting
+  for it; no ConfirmClaim, no bound on the tasks in flight): what the service drains for a
+  client that keeps none of the fleet's rules.
+
 Paid vs unpaid (issue 9, bar "paid drain >= 0.7 x unpaid drain"):
 
     .venv/bin/python bench/drain.py --paid [--batches 10,100] [--tasks 20000] [--workers 1]
@@ -109,6 +121,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from google.protobuf import duration_pb2
 from psycopg import sql
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -622,6 +635,52 @@ def worker(
     asyncio.run(main())
 
 
+def ceiling_worker(
+    address: str,
+    batch: int,
+    pipe: Connection,
+    tools: tuple[str, ...] = (TOOL,),
+    cost_nanos: int = 0,
+) -> None:
+    """One worker process that drives the service with PGQueuer's protocol instead of the
+    SDK's (`--ceiling`): ClaimTasks of `batch` back to back, one at a time, each claim's tasks
+    completed at once in one CompleteTasks, sent without waiting for it; no ConfirmClaim and no
+    bound on the tasks in flight. Not a worker anyone should run (a run it loses is never
+    charged, nothing holds it to free slots): what the service drains for a client that keeps
+    no rule of the fleet's. Runs from "go" until SIGTERM; `worker`'s arguments and answer."""
+    assert tools == (TOOL,) and not cost_nanos, "the ceiling runs the unpaid drain only"
+
+    async def main() -> None:
+        client = CountingClient(address)
+        tool_id = str((await GatewayClient(client).upsert_tool(TOOL)).id)
+        stopping = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopping.set)
+        park = duration_pb2.Duration()
+        park.FromMilliseconds(100)
+        claim = task_pb2.ClaimTasksRequest(tool_id=tool_id, limit=batch, wait=park)
+        reports: set[asyncio.Task[Any]] = set()
+        pipe.send("ready")
+        await asyncio.to_thread(pipe.recv)  # "go"
+        while not stopping.is_set():
+            claimed = await client.call("ClaimTasks", claim, timeout=client.timeout + 0.1)
+            if not claimed.tasks:
+                continue
+            done = task_pb2.CompleteTasksRequest(
+                tasks=[
+                    task_pb2.CompleteTaskRequest(task_id=item.task.id, lease_token=item.lease_token)
+                    for item in claimed.tasks
+                ]
+            )
+            report = asyncio.create_task(client.call("CompleteTasks", done))
+            reports.add(report)
+            report.add_done_callback(reports.discard)
+        await asyncio.gather(*reports)
+        await client.close()
+        pipe.send((dict(client.calls), dict(client.seconds)))
+
+    asyncio.run(main())
+
+
 async def enqueue(address: str, tool_id: str, tasks: int, concurrency: int | None = None) -> float:
     """Enqueues `tasks` no-op tasks with enqueue_many (`concurrency` calls in flight; None: its
     default); returns tasks/s."""
@@ -675,10 +734,12 @@ def genq_run(
     wal: WalMeter | None,
     tools: dict[str, str] | None = None,
     cost_nanos: int = 0,
+    target: Callable[..., None] = worker,
 ) -> Run:
     """One drain by `args.workers` processes of `lanes` lanes a tool. `tools` (name -> id;
     default {TOOL: tool_id}): the tasks are spread evenly over them (enqueued tool after tool)
-    and every worker hosts them all."""
+    and every worker hosts them all. `target`: the worker processes' program (`worker`, or
+    `ceiling_worker` with `lanes` its claim batch)."""
     tools = tools or {TOOL: genq.tool_id}
     execute(genq.url, genq.empty, "VACUUM ANALYZE", "CHECKPOINT")
     spawn = multiprocessing.get_context("spawn")
@@ -686,7 +747,7 @@ def genq_run(
     for _ in range(args.workers):
         ours, theirs = spawn.Pipe()
         process = spawn.Process(
-            target=worker,
+            target=target,
             args=(genq.service.address, lanes, theirs, tuple(tools), cost_nanos),
         )
         process.start()
@@ -723,8 +784,9 @@ def genq_run(
                 seconds.setdefault(method, []).extend(spent)
     finally:
         stop(processes)
+    side = "genq" if target is worker else "genq, ceiling"
     return Run(
-        "genq", lanes, args.tasks, enqueue_rate, last - go, enqueued, drained, cpu, calls, seconds
+        side, lanes, args.tasks, enqueue_rate, last - go, enqueued, drained, cpu, calls, seconds
     )
 
 
@@ -846,6 +908,16 @@ def cycle_bound(run: Run, workers: int) -> float | None:
     return workers * per_claim / (statistics.median(claim) + statistics.median(confirm))
 
 
+def cpu_per_task(run: Run) -> float:
+    """µs a task of the service, the workers and Postgres together (those measured)."""
+    return sum(run.micros(name) or 0.0 for name in ("service", "workers", "postgres"))
+
+
+def peer_cores(run: Run) -> float:
+    """Cores PGQueuer's workers and Postgres used during its drain."""
+    return cpu_per_task(run) * run.per_second / 1e6
+
+
 def genq_detail(run: Run) -> None:
     thousands = run.tasks / 1000
     calls = ", ".join(
@@ -854,8 +926,8 @@ def genq_detail(run: Run) -> None:
     )
     cores = {name: used / run.drain_seconds for name, used in run.cpu.items()}
     print(
-        f"  genq N={run.batch}: drain {run.tasks:,} in {run.drain_seconds:.2f} s; RPCs per 1,000 "
-        f"tasks (median ms a call, as the worker saw it): {calls}"
+        f"  {run.side} N={run.batch}: drain {run.tasks:,} in {run.drain_seconds:.2f} s; RPCs "
+        f"per 1,000 tasks (median ms a call, as the worker saw it): {calls}"
     )
     if cores:
         other = run.other_cores or 0.0
@@ -906,6 +978,11 @@ def compare(args: argparse.Namespace, wal: WalMeter) -> None:
             run = unhit(partial(genq_run, args, genq, batch, wal))
             ours.append(run)
             genq_detail(run)
+        ceilings = []
+        for batch in args.batches if args.ceiling else ():
+            run = genq_run(args, genq, batch, None, target=ceiling_worker)
+            ceilings.append(run)
+            genq_detail(run)
         rounds = enqueue_rounds(args, genq)
     if args.hop:
         print("the genq lines below are the hop's (bench/hop.py), not the service's:")
@@ -926,6 +1003,21 @@ def compare(args: argparse.Namespace, wal: WalMeter) -> None:
                 f"{bound / peer.per_second:.2f}{TIMES} PGQueuer; genq drained "
                 f"{run.per_second / bound:.0%} of it"
             )
+    for peer, run in zip(peers, ours, strict=True):
+        print(
+            f"N={run.batch}: at PGQueuer's {peer.per_second:,.0f} tasks/s, genq's CPU a task "
+            f"(service + workers + Postgres, {number(cpu_per_task(run))} µs) would take "
+            f"{cpu_per_task(run) * peer.per_second / 1e6:.2f} of the machine's "
+            f"{os.cpu_count()} cores (PGQueuer's own took {peer_cores(peer):.2f})"
+        )
+    for peer, run in zip(peers, ceilings, strict=True):
+        print(
+            f"N={run.batch}: the service's ceiling (--ceiling: a bench loop with PGQueuer's "
+            f"protocol, no ConfirmClaim, no bound on tasks in flight): {run.per_second:,.0f} "
+            f"tasks/s, {run.per_second / peer.per_second:.2f}{TIMES} PGQueuer; CPU µs/task: "
+            f"service {number(run.micros('service'))}, worker {number(run.micros('workers'))}, "
+            f"Postgres {number(run.micros('postgres'))}"
+        )
     print_enqueue_rounds(rounds)
     notes([run for pair in zip(peers, ours, strict=True) for run in pair], wal.inspect)
 
@@ -1126,6 +1218,12 @@ def main() -> None:
         action="store_true",
         help="serve genq's side with bench/hop.py instead of genq serve: the service without "
         "its middleware, around the same statements (see its docstring)",
+    )
+    parser.add_argument(
+        "--no-ceiling",
+        dest="ceiling",
+        action="store_false",
+        help="skip the ceiling drains (a bench loop with PGQueuer's protocol; see the docstring)",
     )
     parser.add_argument(
         "--paid", action="store_true", help="only the paid vs unpaid drains (see the docstring)"
