@@ -38,6 +38,11 @@ its session settings jit=off and the service's statement_timeout for all three):
    of the key and the whole task in each answer. No PL/pgSQL, no fallback for the paths that
    need it, no event JSON, the lock, poll note and reset folded into the two statements: an
    upper bound for the service line that keeps its rules (planned like the floor).
+6. tool row: the rules line with its gate answered by the tool's row alone (not paused, no
+   concurrency limit, no estimate) and every other rule taken out: no day lock, settings or cap,
+   no check on the picked tasks' keys, no poll note, no attempt check, no failure reset
+   (TOOL_ROW_PIECES below): the most a gate kept on the tool's row could reach, before the rules
+   it must still keep (planned like the floor).
 
 `--tasks` must exceed what the fastest line (the spec's) drains in warm-up + seconds: a claim that
 finds the queue empty makes pgbench abort its run (its gset gets no row), and the program stops.
@@ -51,6 +56,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import string
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -149,8 +155,72 @@ SELECT id, last_event_seq, 'completed' FROM done;
 """
 """The floor line: the rows the service's claim + complete must write, and nothing else."""
 
-RULES_SCRIPT = """\\set t random(1, 4)
-WITH day_lock AS MATERIALIZED (SELECT pg_advisory_xact_lock_shared(1734700658)),
+RULES_TEMPLATE = string.Template(
+    """\\set t random(1, 4)
+${gate}chosen AS MATERIALIZED (
+  SELECT q.id, q.reclaimed, q.priority, q.run_at, COALESCE(q.cost_estimate_nanos, 0) AS estimate,
+         COALESCE(q.resource_key, gate.default_key) AS resource_key,
+         COALESCE(q.account_group, gate.default_group) AS account_group
+  FROM gate, generation.tasks AS q
+  WHERE q.tool_id = ('00000000-0000-0000-0000-00000000000' || :t)::uuid AND q.status = 'queued'
+    AND q.retry_count < q.max_retries AND q.run_at <= now()
+    AND (q.expires_at IS NULL OR q.expires_at > now())
+    AND (q.resource_key IS NULL OR NOT EXISTS (
+          SELECT 1 FROM generation.cooldowns AS c
+          WHERE c.resource_key = q.resource_key AND c.cooling_until > now()))
+    AND (q.account_group IS NULL OR NOT EXISTS (
+          SELECT 1 FROM generation.holds AS h
+          WHERE h.account_group = q.account_group AND h.held_until > now()))
+  ORDER BY q.reclaimed DESC, q.priority DESC, q.run_at LIMIT 1
+  FOR NO KEY UPDATE OF q SKIP LOCKED),
+${free}started AS (
+  UPDATE generation.tasks AS t
+  SET status = 'processing', started_at = COALESCE(t.started_at, now()),
+      claim_expires_at = now() + make_interval(secs => gate.lease),
+      lease_token = gen_random_uuid(), lease_confirmed = false, reclaimed = false,
+      attempt_count = t.attempt_count + 1, last_event_seq = t.last_event_seq + 1
+  FROM gate WHERE t.id = ANY (ARRAY(SELECT free.id FROM free)) RETURNING t.*),
+attempt AS (
+  INSERT INTO generation.attempts
+    (task_id, attempt, lease_token, tool_id, resource_key, account_group, local_day,
+     estimate_nanos, started_seq)
+  SELECT started.id, started.attempt_count, started.lease_token, started.tool_id,
+         free.resource_key, free.account_group, gate.today, 0, started.last_event_seq
+  FROM gate, started JOIN free ON free.id = started.id)${poll}
+SELECT started.*, gate.lease FROM gate, started JOIN free ON free.id = started.id
+ORDER BY free.reclaimed DESC, free.priority DESC, free.run_at
+\\gset c_
+WITH ended AS (
+  UPDATE generation.tasks AS q
+  SET status = CASE WHEN q.cancel_requested_at IS NULL THEN 'completed'
+                    ELSE 'cancelled' END::generation.task_status,
+      output = CASE WHEN q.cancel_requested_at IS NULL THEN '{"ok": true}'::jsonb END,
+      reported_usage = '{"token_amount": 1, "cost_nanos": 0, "details": {}}',
+      completed_at = now(), claim_expires_at = NULL,
+      error = CASE WHEN q.cancel_requested_at IS NULL THEN NULL ELSE 'cancelled' END,
+      lease_token = NULL, lease_confirmed = false, last_event_seq = q.last_event_seq + 1
+  WHERE q.id = :c_id AND q.status = 'processing' AND q.lease_token = :c_lease_token
+    AND q.claim_expires_at > now()
+${attempt_check}  RETURNING q.*),
+closed AS (
+  UPDATE generation.attempts AS r
+  SET outcome = ended.status::text::generation.attempt_outcome,
+      resource_key = COALESCE(NULL::text, r.resource_key), ended_at = now(),
+      ended_seq = ended.last_event_seq
+  FROM ended
+  WHERE r.task_id = :c_id AND r.lease_token = :c_lease_token AND r.outcome = 'running'
+  RETURNING r.task_id, r.resource_key, r.outcome),
+event AS (
+  INSERT INTO generation.task_events (task_id, sequence, kind, data)
+  SELECT ended.id, ended.last_event_seq, ended.status::text::generation.task_event_kind, '{}'
+  FROM ended WHERE NOT EXISTS (SELECT 1 FROM closed))${reset}
+SELECT true AS task_found, ended.* FROM ended;
+"""
+)
+"""The rules line's two statements, with its rules as pieces (RULE_PIECES, TOOL_ROW_PIECES)."""
+
+RULE_PIECES = {
+    "gate": """WITH day_lock AS MATERIALIZED (SELECT pg_advisory_xact_lock_shared(1734700658)),
 gate AS MATERIALIZED (
   SELECT COALESCE(tl.resource_key, tl.name) AS default_key,
          COALESCE(tl.account_group, tl.name) AS default_group,
@@ -173,23 +243,8 @@ gate AS MATERIALIZED (
     AND NOT EXISTS (SELECT 1 FROM generation.holds AS h
                     WHERE h.account_group = COALESCE(tl.account_group, tl.name)
                       AND h.held_until > now())),
-chosen AS MATERIALIZED (
-  SELECT q.id, q.reclaimed, q.priority, q.run_at, COALESCE(q.cost_estimate_nanos, 0) AS estimate,
-         COALESCE(q.resource_key, gate.default_key) AS resource_key,
-         COALESCE(q.account_group, gate.default_group) AS account_group
-  FROM gate, generation.tasks AS q
-  WHERE q.tool_id = ('00000000-0000-0000-0000-00000000000' || :t)::uuid AND q.status = 'queued'
-    AND q.retry_count < q.max_retries AND q.run_at <= now()
-    AND (q.expires_at IS NULL OR q.expires_at > now())
-    AND (q.resource_key IS NULL OR NOT EXISTS (
-          SELECT 1 FROM generation.cooldowns AS c
-          WHERE c.resource_key = q.resource_key AND c.cooling_until > now()))
-    AND (q.account_group IS NULL OR NOT EXISTS (
-          SELECT 1 FROM generation.holds AS h
-          WHERE h.account_group = q.account_group AND h.held_until > now()))
-  ORDER BY q.reclaimed DESC, q.priority DESC, q.run_at LIMIT 1
-  FOR NO KEY UPDATE OF q SKIP LOCKED),
-free AS (
+""",
+    "free": """free AS (
   SELECT * FROM chosen
   WHERE NOT EXISTS (
     SELECT 1 FROM chosen AS o
@@ -198,64 +253,47 @@ free AS (
                   WHERE l.resource_key = o.resource_key)
        OR EXISTS (SELECT 1 FROM generation.rate_limits AS r
                   WHERE r.resource_key = o.resource_key))),
-started AS (
-  UPDATE generation.tasks AS t
-  SET status = 'processing', started_at = COALESCE(t.started_at, now()),
-      claim_expires_at = now() + make_interval(secs => gate.lease),
-      lease_token = gen_random_uuid(), lease_confirmed = false, reclaimed = false,
-      attempt_count = t.attempt_count + 1, last_event_seq = t.last_event_seq + 1
-  FROM gate WHERE t.id = ANY (ARRAY(SELECT free.id FROM free)) RETURNING t.*),
-attempt AS (
-  INSERT INTO generation.attempts
-    (task_id, attempt, lease_token, tool_id, resource_key, account_group, local_day,
-     estimate_nanos, started_seq)
-  SELECT started.id, started.attempt_count, started.lease_token, started.tool_id,
-         free.resource_key, free.account_group, gate.today, 0, started.last_event_seq
-  FROM gate, started JOIN free ON free.id = started.id),
+""",
+    "poll": """,
 poll AS (
   INSERT INTO generation.tool_polls AS p (tool_id, polled_at)
   SELECT ('00000000-0000-0000-0000-00000000000' || :t)::uuid, now()
   WHERE EXISTS (SELECT 1 FROM started) AND NOT EXISTS (SELECT 1 FROM generation.tool_polls AS x
                     WHERE x.tool_id = ('00000000-0000-0000-0000-00000000000' || :t)::uuid
                       AND x.polled_at > now() - interval '5 seconds')
-  ON CONFLICT (tool_id) DO UPDATE SET polled_at = EXCLUDED.polled_at)
-SELECT started.*, gate.lease FROM gate, started JOIN free ON free.id = started.id
-ORDER BY free.reclaimed DESC, free.priority DESC, free.run_at
-\\gset c_
-WITH ended AS (
-  UPDATE generation.tasks AS q
-  SET status = CASE WHEN q.cancel_requested_at IS NULL THEN 'completed'
-                    ELSE 'cancelled' END::generation.task_status,
-      output = CASE WHEN q.cancel_requested_at IS NULL THEN '{"ok": true}'::jsonb END,
-      reported_usage = '{"token_amount": 1, "cost_nanos": 0, "details": {}}',
-      completed_at = now(), claim_expires_at = NULL,
-      error = CASE WHEN q.cancel_requested_at IS NULL THEN NULL ELSE 'cancelled' END,
-      lease_token = NULL, lease_confirmed = false, last_event_seq = q.last_event_seq + 1
-  WHERE q.id = :c_id AND q.status = 'processing' AND q.lease_token = :c_lease_token
-    AND q.claim_expires_at > now()
-    AND EXISTS (SELECT 1 FROM generation.attempts AS x
+  ON CONFLICT (tool_id) DO UPDATE SET polled_at = EXCLUDED.polled_at)""",
+    "attempt_check": """    AND EXISTS (SELECT 1 FROM generation.attempts AS x
                 WHERE x.task_id = :c_id AND x.lease_token = :c_lease_token
                   AND x.outcome = 'running' AND x.estimate_nanos = 0)
-  RETURNING q.*),
-closed AS (
-  UPDATE generation.attempts AS r
-  SET outcome = ended.status::text::generation.attempt_outcome,
-      resource_key = COALESCE(NULL::text, r.resource_key), ended_at = now(),
-      ended_seq = ended.last_event_seq
-  FROM ended
-  WHERE r.task_id = :c_id AND r.lease_token = :c_lease_token AND r.outcome = 'running'
-  RETURNING r.task_id, r.resource_key, r.outcome),
-event AS (
-  INSERT INTO generation.task_events (task_id, sequence, kind, data)
-  SELECT ended.id, ended.last_event_seq, ended.status::text::generation.task_event_kind, '{}'
-  FROM ended WHERE NOT EXISTS (SELECT 1 FROM closed)),
+""",
+    "reset": """,
 reset AS (
   UPDATE generation.cooldowns AS c SET consecutive_failures = 0
   FROM closed
   WHERE closed.outcome = 'completed' AND c.resource_key = closed.resource_key
-    AND c.consecutive_failures > 0)
-SELECT true AS task_found, ended.* FROM ended;
-"""
+    AND c.consecutive_failures > 0)""",
+}
+"""Every rule of the service's unpaid fast paths."""
+
+TOOL_ROW_PIECES = {
+    "gate": """WITH gate AS MATERIALIZED (
+  SELECT COALESCE(tl.resource_key, tl.name) AS default_key,
+         COALESCE(tl.account_group, tl.name) AS default_group,
+         COALESCE(tl.lease_seconds, 120) AS lease, current_date AS today
+  FROM generation.tools AS tl
+  WHERE tl.id = ('00000000-0000-0000-0000-00000000000' || :t)::uuid
+    AND NOT tl.paused AND tl.max_in_flight IS NULL AND tl.cost_estimate_nanos = 0),
+""",
+    "free": "free AS (SELECT * FROM chosen),\n",
+    "poll": "",
+    "attempt_check": "",
+    "reset": "",
+}
+"""The tool-row line's: the gate is the tool's row alone (not paused, no concurrency limit, no
+estimate), and no other rule: no day lock, settings or cap, no check on the picked tasks' keys,
+no poll note, no attempt check, no failure reset."""
+
+RULES_SCRIPT = RULES_TEMPLATE.substitute(RULE_PIECES)
 """The rules line: the service's unpaid fast paths with every rule they apply, each one plain
 statement (what the service's functions run for a free tool's task, without PL/pgSQL). A copy of
 claim_tasks_v1's steps A-E and complete_task_v1's A-D: a change to either belongs here too.
@@ -263,6 +301,12 @@ Where it differs, it is cheaper: the day lock and the poll note are CTEs of the 
 statements before and after it (so the lock guards no read here), and the key's failure reset
 is a CTE of the completion, reading the key its attempt closed with, not a statement of its
 own that sees failures committed while the completion waited."""
+
+
+TOOL_ROW_SCRIPT = RULES_TEMPLATE.substitute(TOOL_ROW_PIECES)
+"""The tool-row line: the rules line with its gate answered by the tool's row alone and every
+other rule taken out (TOOL_ROW_PIECES): the most a gate the tool's row answers alone could let
+the service's records and answers reach, before any rule it must still keep."""
 
 
 def spec_database_loaded(url: str, tasks: int) -> None:
@@ -358,6 +402,13 @@ def main(argv: list[str] | None = None) -> int:
             )
         show(results["rules"], args.clients)
 
+        load_queue(service_url, args.tasks)
+        with planned_like_the_functions(service_url):
+            results["tool row"] = run_pgbench(
+                unpaid, service_url, settings, (TOOL_ROW_SCRIPT, []), name="tool row"
+            )
+        show(results["tool row"], args.clients)
+
         execute(
             service_url,
             f"UPDATE generation.tools SET cost_estimate_nanos = {int(args.estimate_nanos)}",
@@ -386,6 +437,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ratio floor / spec: {floor:.2f} (the most the service line could reach)")
     rules = results["rules"].tasks_per_second / spec
     print(f"ratio rules / spec: {rules:.2f} (the most it could reach keeping its rules)")
+    tool_row = results["tool row"].tasks_per_second / spec
+    print(
+        f"ratio tool row / spec: {tool_row:.2f} (the most a gate the tool's row answers alone "
+        "could reach, every other rule taken out)"
+    )
     return 0
 
 
