@@ -643,7 +643,7 @@ def ceiling_worker(
     cost_nanos: int = 0,
 ) -> None:
     """One worker process that drives the service with PGQueuer's protocol instead of the
-    SDK's (`--ceiling`): ClaimTasks of `batch` back to back, one at a time, each claim's tasks
+    SDK's (the ceiling line): ClaimTasks of `batch` back to back, one at a time, each claim's tasks
     completed at once in one CompleteTasks, sent without waiting for it; no ConfirmClaim and no
     bound on the tasks in flight. Not a worker anyone should run (a run it loses is never
     charged, nothing holds it to free slots): what the service drains for a client that keeps
