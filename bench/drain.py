@@ -1010,10 +1010,10 @@ def compare(args: argparse.Namespace, wal: WalMeter) -> None:
             f"{cpu_per_task(run) * peer.per_second / 1e6:.2f} of the machine's "
             f"{os.cpu_count()} cores (PGQueuer's own took {peer_cores(peer):.2f})"
         )
-    for peer, run in zip(peers, ceilings, strict=True):
+    for peer, run in zip(peers, ceilings, strict=args.ceiling):
         print(
-            f"N={run.batch}: the service's ceiling (--ceiling: a bench loop with PGQueuer's "
-            f"protocol, no ConfirmClaim, no bound on tasks in flight): {run.per_second:,.0f} "
+            f"N={run.batch}: the ceiling line (one claim of N at a time, like PGQueuer's "
+            f"dequeue; no ConfirmClaim, no bound on tasks in flight): {run.per_second:,.0f} "
             f"tasks/s, {run.per_second / peer.per_second:.2f}{TIMES} PGQueuer; CPU µs/task: "
             f"service {number(run.micros('service'))}, worker {number(run.micros('workers'))}, "
             f"Postgres {number(run.micros('postgres'))}"
