@@ -659,6 +659,13 @@ def ceiling_worker(
         park.FromMilliseconds(100)
         claim = task_pb2.ClaimTasksRequest(tool_id=tool_id, limit=batch, wait=park)
         reports: set[asyncio.Task[Any]] = set()
+
+        def reported(report: asyncio.Task[Any]) -> None:
+            # A lost report leaves its tasks leased: say so, or the drain only looks slow.
+            reports.discard(report)
+            if not report.cancelled() and report.exception() is not None:
+                print(f"ceiling: a CompleteTasks failed: {report.exception()}", file=sys.stderr)
+
         pipe.send("ready")
         await asyncio.to_thread(pipe.recv)  # "go"
         while not stopping.is_set():
@@ -673,7 +680,7 @@ def ceiling_worker(
             )
             report = asyncio.create_task(client.call("CompleteTasks", done))
             reports.add(report)
-            report.add_done_callback(reports.discard)
+            report.add_done_callback(reported)
         await asyncio.gather(*reports)
         await client.close()
         pipe.send((dict(client.calls), dict(client.seconds)))

@@ -8,7 +8,7 @@ end), all loaded the same way: TRUNCATE, `--tasks` queued tasks round-robin over
 00000000-0000-0000-0000-00000000000{1..4}, created_at (and run_at) 1 ms apart, VACUUM ANALYZE of
 the whole database, CHECKPOINT. Each line is `pgbench -n -M prepared -c 8 -j 2 -T 18` (2 s of
 warm-up, then 15 s measured from pgbench's per-transaction log, as bench/claim_complete.py does;
-its session settings jit=off and the service's statement_timeout for all three):
+its session settings jit=off and the service's statement_timeout for every line):
 
 1. spec: ../shared/peers/claim_complete.sql (the spec's claim UPDATE ... FOR UPDATE SKIP LOCKED
    in a transaction, then its complete) on seed A's table: generation.tasks with the columns of
