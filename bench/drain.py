@@ -77,6 +77,16 @@ What bounds genq's side, after the table (the drain bar's reasons, measured in t
   for it; no ConfirmClaim, no bound on the tasks in flight): what the service drains for a
   client that keeps none of the fleet's rules.
 
+The floor (`--floor`, instead of the above): for each N, `--floor-rounds` (3) rounds in turn of
+PGQueuer's drain (as above) and of its own statements behind bench/pgq_hop.py, the thinnest gRPC
+hop in Python (raw bytes, PGQueuer's dequeue and log SQL on an asyncpg pool, GENQ_PROCESSES as
+`genq serve`), driven by `floor_worker` with PGQueuer's protocol (a dequeue of N at a time, each
+batch logged at once without waiting), on unary calls and on one bidirectional stream: each
+drain, then the medians and their ratios to PGQueuer's. What a service between the workers and
+Postgres costs the drain before any of genq's own work.
+
+    .venv/bin/python bench/drain.py --floor [--batches 10,100] [--tasks 10000] [--floor-rounds 3]
+
 Paid vs unpaid (issue 9, bar "paid drain >= 0.7 x unpaid drain"):
 
     .venv/bin/python bench/drain.py --paid [--batches 10,100] [--tasks 20000] [--workers 1]
@@ -105,6 +115,7 @@ import multiprocessing
 import os
 import signal
 import statistics
+import struct
 import subprocess
 import sys
 import time
@@ -136,6 +147,8 @@ from workers_sdk.gateway import ENQUEUE_CONCURRENCY  # noqa: E402
 CAP = 10**17
 """Global daily cap in nanos (the largest the service takes): without one nothing is claimed."""
 TOOL = "noop"
+PGQ_HOP = Path(__file__).resolve().parent / "pgq_hop.py"
+"""The floor's server (its docstring)."""
 ENQUEUE_CALL = 1_000
 """Tasks a batched enqueue call carries, on both sides (QueueTasks' default size in the SDK)."""
 DRAIN_BAR, WAL_BAR, ENQUEUE_BAR = 1.0, 1.0, 1.0
@@ -480,6 +493,16 @@ PGQ_DONE = (
 )
 
 
+async def pgq_enqueue(queries: Any, tasks: int) -> float:
+    """`tasks` no-op jobs with PGQueuer's `Queries.enqueue`, ENQUEUE_CALL a call, one call at a
+    time; returns jobs/s."""
+    begun = time.perf_counter()
+    for first in range(0, tasks, ENQUEUE_CALL):
+        n = min(ENQUEUE_CALL, tasks - first)
+        await queries.enqueue([TOOL] * n, [None] * n, [0] * n)
+    return tasks / (time.perf_counter() - begun)
+
+
 def pgqueuer_process(url: str, tasks: int, batch: int, cap: int, pipe: Connection) -> None:
     """PGQueuer's side in a process of its own: enqueue on "enqueue", then a QueueManager as it
     runs in production (continuous) from "drain" to "stop", which the bench sends once it has read
@@ -508,11 +531,7 @@ def pgqueuer_process(url: str, tasks: int, batch: int, cap: int, pipe: Connectio
 
         pipe.send(("ready", commits))
         await asyncio.to_thread(pipe.recv)  # "enqueue"
-        begun = time.perf_counter()
-        for first in range(0, tasks, ENQUEUE_CALL):
-            n = min(ENQUEUE_CALL, tasks - first)
-            await queries.enqueue([TOOL] * n, [None] * n, [0] * n)
-        pipe.send(tasks / (time.perf_counter() - begun))
+        pipe.send(await pgq_enqueue(queries, tasks))
         await asyncio.to_thread(pipe.recv)  # "drain"
         running = asyncio.create_task(
             manager.run(
@@ -686,6 +705,129 @@ def ceiling_worker(
         pipe.send((dict(client.calls), dict(client.seconds)))
 
     asyncio.run(main())
+
+
+FLOOR_MODES = ("unary", "stream")
+"""How the floor's worker calls bench/pgq_hop.py: Dequeue and Log calls on two connections, or
+both on one bidirectional Drain stream."""
+
+
+def floor_worker(address: str, batch: int, mode: str, pipe: Connection) -> None:
+    """The floor's worker, in a process of its own: PGQueuer's protocol through bench/pgq_hop.py
+    (a dequeue of `batch` at a time, back to back; each batch's ids logged at once, not waited
+    for; nothing run between), by `mode` (FLOOR_MODES). Runs from "go" until SIGTERM."""
+    import grpc
+
+    async def main() -> None:
+        stopping = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopping.set)
+        want = struct.pack("<I", batch)
+        # A subchannel pool of its own each, as GenqClient's two connections.
+        channels = [
+            grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+            for _ in range(2)
+        ]
+        logs: set[asyncio.Future[Any]] = set()
+        pipe.send("ready")
+        await asyncio.to_thread(pipe.recv)  # "go"
+        if mode == "unary":
+            dequeue = channels[0].unary_unary("/pgq_hop.Hop/Dequeue")
+            log = channels[1].unary_unary("/pgq_hop.Hop/Log")
+            while not stopping.is_set():
+                ids = await dequeue(want)
+                if ids:
+                    task = asyncio.ensure_future(log(ids))
+                    logs.add(task)
+                    task.add_done_callback(logs.discard)
+            await asyncio.gather(*logs)
+        else:
+            stream = channels[0].stream_stream("/pgq_hop.Hop/Drain")()
+            while not stopping.is_set():
+                await stream.write(b"C" + want)
+                ids = await stream.read()
+                if ids:
+                    await stream.write(b"L" + ids)
+            await stream.done_writing()
+        for channel in channels:
+            await channel.close()
+        pipe.send("stopped")
+
+    asyncio.run(main())
+
+
+def floor_run(args: argparse.Namespace, batch: int, mode: str) -> Run:
+    """The floor's drain of `args.tasks` jobs at batch `batch`: a database of its own installed
+    as PGQueuer's side is, the jobs enqueued as PGQueuer's side enqueues them, bench/pgq_hop.py
+    serving it (GENQ_PROCESSES as `genq serve`'s, with --service-env) and one floor_worker."""
+    env = dict(item.split("=", 1) for item in args.service_env)
+    with database("pgq_floor") as url:
+        install = [str(Path(sys.executable).parent / "pgq"), "install", "--durability", "durable"]
+        subprocess.run(install, env={**os.environ, "PGDSN": url}, check=True, capture_output=True)
+        assert_durable(url, "pgqueuer", "public")
+        service = Service(url, env, PGQ_HOP)
+        spawn = multiprocessing.get_context("spawn")
+        ours, theirs = spawn.Pipe()
+        process = spawn.Process(target=floor_worker, args=(service.address, batch, mode, theirs))
+        try:
+            service.wait_serving()
+            process.start()
+            assert started([ours], "the floor's worker") == ["ready"]
+            execute(url, "VACUUM ANALYZE", "CHECKPOINT")
+            enqueue_rate = asyncio.run(floor_enqueue(url, args.tasks))
+            execute(url, "ANALYZE")
+            with psycopg.connect(url, autocommit=True) as looking:
+                assert process.pid is not None
+                meter = CpuMeter(url, service, [process.pid], backend_pid(looking))
+                meter.begin()
+                go = time.time()
+                ours.send("go")
+                last = wait_done(looking, PGQ_DONE, args.tasks, args.timeout)
+                cpu = meter.end()
+            os.kill(process.pid, signal.SIGTERM)
+            started([ours], "the floor's worker's stop")
+        finally:
+            stop([process])
+            service.stop()
+    return Run(f"floor, {mode}", batch, args.tasks, enqueue_rate, last - go, Wal(), Wal(), cpu)
+
+
+async def floor_enqueue(url: str, tasks: int) -> float:
+    import asyncpg
+    from pgqueuer.db import AsyncpgDriver
+    from pgqueuer.queries import Queries
+
+    connection = await asyncpg.connect(url)
+    try:
+        return await pgq_enqueue(Queries(AsyncpgDriver(connection)), tasks)
+    finally:
+        await connection.close()
+
+
+def floor(args: argparse.Namespace) -> None:
+    """--floor: for each N, `args.floor_rounds` rounds of PGQueuer's drain and the floor's
+    (each of FLOOR_MODES), in turn, then the medians and their ratios to PGQueuer's."""
+    for batch in args.batches:
+        rounds: dict[str, list[Run]] = {}
+        for round_ in range(args.floor_rounds):
+            for run in (
+                partial(pgqueuer, args, batch, None),
+                *(partial(floor_run, args, batch, mode) for mode in FLOOR_MODES),
+            ):
+                result = run()
+                rounds.setdefault(result.side, []).append(result)
+                print(
+                    f"  N={batch} round {round_ + 1}, {result.side}: {result.per_second:,.0f} "
+                    f"tasks/s; CPU µs/task: hop {number(result.micros('service'))}, worker "
+                    f"{number(result.micros('workers'))}, Postgres "
+                    f"{number(result.micros('postgres'))}; other {result.other_cores or 0:.2f} core"
+                )
+        peer = statistics.median(run.per_second for run in rounds["PGQueuer"])
+        for side, runs in rounds.items():
+            rate = statistics.median(run.per_second for run in runs)
+            print(
+                f"N={batch}: {side}: median {rate:,.0f} tasks/s, {rate / peer:.2f}{TIMES} "
+                f"PGQueuer's median; rounds " + ", ".join(f"{run.per_second:,.0f}" for run in runs)
+            )
 
 
 async def enqueue(address: str, tool_id: str, tasks: int, concurrency: int | None = None) -> float:
@@ -1058,11 +1200,7 @@ def enqueue_process(
             await queries.enqueue([TOOL] * 10, [None] * 10, [0] * 10)
         pipe.send("ready")
         await asyncio.to_thread(pipe.recv)  # "go"
-        begun = time.perf_counter()
-        for first in range(0, tasks, ENQUEUE_CALL):
-            n = min(ENQUEUE_CALL, tasks - first)
-            await queries.enqueue([TOOL] * n, [None] * n, [0] * n)
-        rate = tasks / (time.perf_counter() - begun)
+        rate = await pgq_enqueue(queries, tasks)
         await connection.close()
         return rate
 
@@ -1235,6 +1373,14 @@ def main() -> None:
     parser.add_argument(
         "--paid", action="store_true", help="only the paid vs unpaid drains (see the docstring)"
     )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="only PGQueuer's drain against its own statements behind bench/pgq_hop.py",
+    )
+    parser.add_argument(
+        "--floor-rounds", type=int, default=3, help="--floor: rounds of each drain (3)"
+    )
     parser.add_argument("--estimate-nanos", type=int, default=1000, help="--paid: tool estimate")
     parser.add_argument("--cost-nanos", type=int, default=1000, help="--paid: cost of each task")
     args = parser.parse_args()
@@ -1245,6 +1391,9 @@ def main() -> None:
     )
     if args.paid:
         genq_paid(args)
+        return
+    if args.floor:
+        floor(args)
         return
     with database("genq_bench_wal") as url:
         wal = WalMeter(url)
