@@ -80,10 +80,11 @@ What bounds genq's side, after the table (the drain bar's reasons, measured in t
 The floor (`--floor`, instead of the above): for each N, `--floor-rounds` (3) rounds in turn of
 PGQueuer's drain (as above) and of its own statements behind bench/pgq_hop.py, the thinnest gRPC
 hop in Python (raw bytes, PGQueuer's dequeue and log SQL on an asyncpg pool, GENQ_PROCESSES as
-`genq serve`), driven by `floor_worker` with PGQueuer's protocol (a dequeue of N at a time, each
-batch logged at once without waiting), on unary calls and on one bidirectional stream: each
-drain, then the medians and their ratios to PGQueuer's. What a service between the workers and
-Postgres costs the drain before any of genq's own work.
+`genq serve`), driven by `floor_worker` (a dequeue of N at a time, back to back, each batch
+logged at once without waiting: PGQueuer's statements, but its logs overlap the next dequeue
+without bound, where PGQueuer runs both on one connection, one at a time), on unary calls and on
+one bidirectional stream: each drain, then the medians and their ratios to PGQueuer's. What a
+service between the workers and Postgres costs the drain before any of genq's own work.
 
     .venv/bin/python bench/drain.py --floor [--batches 10,100] [--tasks 10000] [--floor-rounds 3]
 
@@ -713,9 +714,10 @@ both on one bidirectional Drain stream."""
 
 
 def floor_worker(address: str, batch: int, mode: str, pipe: Connection) -> None:
-    """The floor's worker, in a process of its own: PGQueuer's protocol through bench/pgq_hop.py
-    (a dequeue of `batch` at a time, back to back; each batch's ids logged at once, not waited
-    for; nothing run between), by `mode` (FLOOR_MODES). Runs from "go" until SIGTERM."""
+    """The floor's worker, in a process of its own, through bench/pgq_hop.py: a dequeue of
+    `batch` at a time, back to back; each batch's ids logged at once, not waited for (no bound
+    on the logs in flight); nothing run between; by `mode` (FLOOR_MODES). Runs from "go" until
+    SIGTERM."""
     import grpc
 
     async def main() -> None:
