@@ -23,6 +23,8 @@ import asyncio
 import multiprocessing
 import signal
 import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -68,40 +70,54 @@ def handlers(
     return grpc.method_handlers_generic_handler(SERVICE.full_name, methods)
 
 
-async def serve(settings: Settings, ready: Connection | None) -> None:
-    """One process: serves until stopped; says "ready" over `ready` once it listens."""
+Handlers = Callable[[Settings], AbstractAsyncContextManager[grpc.GenericRpcHandler]]
+"""A hop's methods for one process: entered once the process starts, left when it stops."""
+
+
+@asynccontextmanager
+async def service_handlers(settings: Settings) -> AsyncIterator[grpc.GenericRpcHandler]:
     # The service's own pool (size, session settings, keepalives), without Database.fetch's
     # bounds around each statement.
     pool = Database(settings.database_url or "", settings).pool
     await pool.open(wait=True)
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
-    server.add_generic_rpc_handlers((handlers(pool, settings),))
-    checks = health.aio.HealthServicer()
-    await checks.set("", health_pb2.HealthCheckResponse.SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(checks, server)
-    server.add_insecure_port(f"{settings.host}:{settings.port}")
-    await server.start()
     try:
-        if ready is None:
-            await server.wait_for_termination()
-            return
-        ready.send("ready")
-        # A child ends with its parent, even a killed one: the pipe then reads as closed.
-        closed = asyncio.Event()
-        asyncio.get_running_loop().add_reader(ready.fileno(), closed.set)
-        await closed.wait()
+        yield handlers(pool, settings)
     finally:
-        await server.stop(None)
         await pool.close()
 
 
-def run(settings: Settings, ready: Connection | None = None) -> None:
+async def serve(settings: Settings, methods: Handlers, ready: Connection | None) -> None:
+    """One process: serves until stopped; says "ready" over `ready` once it listens."""
+    async with methods(settings) as handler:
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
+        server.add_generic_rpc_handlers((handler,))
+        checks = health.aio.HealthServicer()
+        await checks.set("", health_pb2.HealthCheckResponse.SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(checks, server)
+        server.add_insecure_port(f"{settings.host}:{settings.port}")
+        await server.start()
+        try:
+            if ready is None:
+                await server.wait_for_termination()
+                return
+            ready.send("ready")
+            # A child ends with its parent, even a killed one: the pipe then reads as closed.
+            closed = asyncio.Event()
+            asyncio.get_running_loop().add_reader(ready.fileno(), closed.set)
+            await closed.wait()
+        finally:
+            await server.stop(None)
+
+
+def run(settings: Settings, methods: Handlers, ready: Connection | None = None) -> None:
     # Stopped as `genq serve` is (SIGTERM), it exits 0, so a bench reads a clean stop as one.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    asyncio.run(serve(settings, ready))
+    asyncio.run(serve(settings, methods, ready))
 
 
-def main() -> None:
+def main(methods: Handlers = service_handlers) -> None:
+    """Serves `methods` in GENQ_PROCESSES processes on GENQ_PORT, as `genq serve` runs (also
+    bench/pgq_hop.py's)."""
     settings = Settings.from_env()
     if not settings.database_url or not settings.port:
         raise SystemExit("set DATABASE_URL and GENQ_PORT (a port of its own, not 0)")
@@ -111,11 +127,11 @@ def main() -> None:
     # connection lands on a port fewer processes share.
     pipes = [spawn.Pipe() for _ in range(settings.processes - 1)]
     for _, theirs in pipes:
-        spawn.Process(target=run, args=(settings, theirs), daemon=True).start()
+        spawn.Process(target=run, args=(settings, methods, theirs), daemon=True).start()
     for ours, _ in pipes:
         if not ours.poll(60) or ours.recv() != "ready":
             raise SystemExit("a hop process did not start")
-    run(settings)
+    run(settings, methods)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,8 @@ connections (PGQueuer's own driver):
   `L` + ids answered with nothing; logs run beside the next dequeue, as they would on two calls).
 
 Raw bytes, no protobuf, no checks, auth, metrics, logs or error mapping: no service can do less
-per call on grpc.aio and stay a service. Health answers SERVING once every process listens, so
-the benches start it as they start `genq serve` (bench/claim_complete.py's `Service`).
+per call on grpc.aio and stay a service. bench/hop.py's `main` runs it (processes, port, health:
+SERVING once every process listens), so the benches start it as they start `genq serve`.
 
 Not a server to run anything on: it is for `bench/drain.py`'s floor lines.
 """
@@ -26,26 +26,24 @@ Not a server to run anything on: it is for `bench/drain.py`'s floor lines.
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
-import signal
 import struct
 import sys
 import uuid
 from array import array
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import timedelta
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import asyncpg
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from pgqueuer.adapters.persistence.qb import QueryQueueBuilder
 from pgqueuer.types import QueueEntrypoint, QueueManagerId
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script
 
+from bench import hop
 from service.settings import Settings
 
 SERVICE = "pgq_hop.Hop"
@@ -118,50 +116,18 @@ def handlers(hop: Hop) -> grpc.GenericRpcHandler:
     )
 
 
-async def serve(settings: Settings, ready: Connection | None) -> None:
-    """One process: serves until stopped; says "ready" over `ready` once it listens."""
+@asynccontextmanager
+async def pgq_handlers(settings: Settings) -> AsyncIterator[grpc.GenericRpcHandler]:
     size = settings.pool_max_size
     pool = await asyncpg.create_pool(settings.database_url, min_size=size, max_size=size)
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
-    server.add_generic_rpc_handlers((handlers(Hop(pool)),))
-    checks = health.aio.HealthServicer()
-    await checks.set("", health_pb2.HealthCheckResponse.SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(checks, server)
-    server.add_insecure_port(f"{settings.host}:{settings.port}")
-    await server.start()
     try:
-        if ready is None:
-            await server.wait_for_termination()
-            return
-        ready.send("ready")
-        # A child ends with its parent, even a killed one: the pipe then reads as closed.
-        closed = asyncio.Event()
-        asyncio.get_running_loop().add_reader(ready.fileno(), closed.set)
-        await closed.wait()
+        yield handlers(Hop(pool))
     finally:
-        await server.stop(None)
         await pool.close()
 
 
-def run(settings: Settings, ready: Connection | None = None) -> None:
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    asyncio.run(serve(settings, ready))
-
-
 def main() -> None:
-    settings = Settings.from_env()
-    if not settings.database_url or not settings.port:
-        raise SystemExit("set DATABASE_URL and GENQ_PORT (a port of its own, not 0)")
-    spawn = multiprocessing.get_context("spawn")
-    # Children of this process, so a bench's CPU meter counts them with it; the parent listens
-    # only once every child does (as bench/hop.py).
-    pipes = [spawn.Pipe() for _ in range(settings.processes - 1)]
-    for _, theirs in pipes:
-        spawn.Process(target=run, args=(settings, theirs), daemon=True).start()
-    for ours, _ in pipes:
-        if not ours.poll(60) or ours.recv() != "ready":
-            raise SystemExit("a hop process did not start")
-    run(settings)
+    hop.main(pgq_handlers)  # bench/hop.py's processes, ports and health, these methods
 
 
 if __name__ == "__main__":
